@@ -1,0 +1,169 @@
+"""Hugging Face safetensors -> jaxserve weight pytree, placed directly onto its shardings.
+
+Tensors are read one at a time (memory-mapped), renamed, transposed to our input-features-first
+layout, cast, checked against the declared shape and put onto their target sharding, so a device
+never holds more than its shard of the weights plus one tensor in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from safetensors import safe_open
+
+from jaxserve.config import ModelConfig
+from jaxserve.model import weights as W
+
+# Tensors transformers may store that carry no weights we need.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def resolve_model_dir(name_or_path: str | Path) -> Path:
+    """A local directory, or a hub id found in huggingface_hub's local cache (never downloads)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+        return path
+    if path.exists():
+        raise ValueError(f"{path} is a file; pass the model directory that holds config.json")
+    name = str(name_or_path)
+    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model directory {name!r} does not exist")
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception as e:  # the hub raises several types for "not cached"
+        raise FileNotFoundError(
+            f"model {name!r} is not in the local Hugging Face cache and jaxserve does not download. "
+            f"Fetch it first on a machine with network access, e.g. `huggingface-cli download {name}`, "
+            f"or pass a local directory with config.json and *.safetensors") from e
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"safetensors shards listed in {index.name} are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+    for file in files:
+        with safe_open(str(file), framework="numpy") as f:
+            for name in f.keys():
+                yield name, (lambda f=f, name=name: f.get_tensor(name))
+
+
+def _heads(n: int, hd: int) -> Callable[[np.ndarray], np.ndarray]:
+    """[n*hd, D] (torch Linear out x in) -> [D, n, hd]."""
+    return lambda t: t.T.reshape(t.shape[1], n, hd)
+
+
+def _name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Callable[[np.ndarray], np.ndarray]]]:
+    """HF tensor name -> (path into Weights, transform from the stored array)."""
+    hq, hkv, hd, vp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, W.padded_vocab(cfg)
+    ident = lambda t: t  # noqa: E731
+    transpose = lambda t: t.T  # noqa: E731
+
+    def pad_rows(t: np.ndarray) -> np.ndarray:
+        return np.pad(t, ((0, vp - t.shape[0]), (0, 0)))
+
+    table: dict[str, tuple[tuple[Any, ...], Callable]] = {
+        "model.embed_tokens.weight": (("embed",), pad_rows),
+        "model.norm.weight": (("final_norm",), ident),
+    }
+    if not cfg.tie_word_embeddings:
+        table["lm_head.weight"] = (("lm_head",), lambda t: pad_rows(t).T)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": ("attn_norm", ident),
+            "post_attention_layernorm.weight": ("mlp_norm", ident),
+            "self_attn.q_proj.weight": ("wq", _heads(hq, hd)),
+            "self_attn.k_proj.weight": ("wk", _heads(hkv, hd)),
+            "self_attn.v_proj.weight": ("wv", _heads(hkv, hd)),
+            "self_attn.o_proj.weight": ("wo", lambda t: t.T.reshape(hq, hd, t.shape[0])),
+            "mlp.gate_proj.weight": ("w_gate", transpose),
+            "mlp.up_proj.weight": ("w_up", transpose),
+            "mlp.down_proj.weight": ("w_down", transpose),
+        }
+        if cfg.qkv_bias:
+            layer["self_attn.q_proj.bias"] = ("bq", lambda t: t.reshape(hq, hd))
+            layer["self_attn.k_proj.bias"] = ("bk", lambda t: t.reshape(hkv, hd))
+            layer["self_attn.v_proj.bias"] = ("bv", lambda t: t.reshape(hkv, hd))
+        if cfg.o_bias:
+            layer["self_attn.o_proj.bias"] = ("bo", ident)
+        if cfg.qk_norm:
+            layer["self_attn.q_norm.weight"] = ("q_norm", ident)
+            layer["self_attn.k_norm.weight"] = ("k_norm", ident)
+        if cfg.mlp_bias:
+            layer["mlp.gate_proj.bias"] = ("b_gate", ident)
+            layer["mlp.up_proj.bias"] = ("b_up", ident)
+            layer["mlp.down_proj.bias"] = ("b_down", ident)
+        for suffix, (field, fn) in layer.items():
+            table[p + suffix] = (("layers", i, field), fn)
+    return table
+
+
+def _get(tree: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        tree = tree[key] if isinstance(key, int) else getattr(tree, key)
+    return tree
+
+
+def _set(tree: W.Weights, path: tuple[Any, ...], value: Any) -> W.Weights:
+    if path[0] == "layers":
+        layers = list(tree.layers)
+        layers[path[1]] = layers[path[1]].replace(**{path[2]: value})
+        return tree.replace(layers=layers)
+    return tree.replace(**{path[0]: value})
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any = jnp.float32) -> W.Weights:
+    """Reads every tensor of the checkpoint onto its sharding; errors name the offending tensor."""
+    model_dir = Path(model_dir)
+    spec_tree = W.abstract(cfg, dtype)
+    sharding_tree = W.shardings(spec_tree, cfg, mesh)
+    table = _name_table(cfg)
+    out = jax.tree.map(lambda _: None, spec_tree, is_leaf=lambda x: isinstance(x, W.ParamSpec))
+    seen: set[str] = set()
+    for name, read in _iter_tensors(_safetensors_files(model_dir)):
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears in more than one safetensors file")
+        if name not in table:
+            if _IGNORED.match(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            raise ValueError(f"unexpected tensor {name!r} in {model_dir} for a {cfg.architecture} config")
+        seen.add(name)
+        path, transform = table[name]
+        spec: W.ParamSpec = _get(spec_tree, path)
+        raw = read()
+        try:
+            host = np.ascontiguousarray(transform(raw))
+        except ValueError as e:
+            raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit the config: {e}") from e
+        if host.shape != spec.shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(raw.shape)} (as {host.shape} after layout), "
+                             f"expected {spec.shape} from config.json")
+        value = jax.device_put(host.astype(jnp.dtype(dtype)), _get(sharding_tree, path))
+        out = _set(out, path, value)
+    missing = sorted(set(table) - seen)
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} is missing tensors: {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+    return out

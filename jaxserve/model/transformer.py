@@ -1,0 +1,82 @@
+"""The decoder-only transformer as one pure function over a weight pytree.
+
+`forward` owns everything but attention over the cache: embeddings, RMSNorm, q/k/v projections
+(with Qwen2 biases and Qwen3 q/k norms), RoPE, the SwiGLU MLP and the lm_head. Attention is a
+callable `attend(layer, q, k, v, cache) -> (out, cache)` so the same body serves the dense parity
+path (`model/dense.py`) and the ragged paged step (`model/paged.py`). Token axes are leading
+`...` axes: `[T]` for the ragged step, `[B, S]` for the dense path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.model import rope
+from jaxserve.model.weights import LayerWeights, Weights
+
+# attend(layer_index, q [..., Hq, hd], k [..., Hkv, hd], v [..., Hkv, hd], cache) -> (out [..., Hq, hd], cache)
+Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, cast back before the weight (transformers' order)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def _add(x: jax.Array, bias: jax.Array | None) -> jax.Array:
+    return x if bias is None else x + bias
+
+
+def qkv(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    q = _add(jnp.einsum("...d,dhk->...hk", x, layer.wq), layer.bq)
+    k = _add(jnp.einsum("...d,dhk->...hk", x, layer.wk), layer.bk)
+    v = _add(jnp.einsum("...d,dhk->...hk", x, layer.wv), layer.bv)
+    if cfg.qk_norm:
+        q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
+
+
+def mlp(layer: LayerWeights, x: jax.Array) -> jax.Array:
+    gate = _add(jnp.einsum("...d,df->...f", x, layer.w_gate), layer.b_gate)
+    up = _add(jnp.einsum("...d,df->...f", x, layer.w_up), layer.b_up)
+    return _add(jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, layer.w_down), layer.b_down)
+
+
+def lm_head(weights: Weights, x: jax.Array) -> jax.Array:
+    """x: [..., D] -> float32 logits [..., Vp] (padded vocabulary)."""
+    if weights.lm_head is None:
+        return jnp.einsum("...d,vd->...v", x, weights.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", x, weights.lm_head, preferred_element_type=jnp.float32)
+
+
+def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            attend: Attend, caches: Sequence[Any], *, logits_index: jax.Array | None = None,
+            seq_lens_per_token: jax.Array | None = None) -> tuple[jax.Array, list[Any]]:
+    """tokens, positions: [...] int32. Returns (float32 logits, updated caches).
+
+    logits_index: gather these rows of the flattened token axis before the lm_head, so a step
+    computes logits only for the rows that sample ([R] -> logits [R, Vp]); None keeps every row.
+    seq_lens_per_token: [...] each token's sequence length (dynamic RoPE only).
+    """
+    x = jnp.take(weights.embed, tokens, axis=0)
+    cos, sin = rope.cos_sin(cfg, positions, seq_lens_per_token)
+    new_caches = []
+    for i, layer in enumerate(weights.layers):
+        h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+        q, k, v = qkv(layer, h, cos, sin, cfg)
+        out, cache = attend(i, q, k, v, caches[i])
+        new_caches.append(cache)
+        x = x + _add(jnp.einsum("...hk,hkd->...d", out.astype(x.dtype), layer.wo), layer.bo)
+        x = x + mlp(layer, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps))
+    if logits_index is not None:
+        x = jnp.take(x.reshape(-1, x.shape[-1]), logits_index, axis=0)
+    x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    return lm_head(weights, x), new_caches

@@ -1,0 +1,99 @@
+"""Mesh construction and the logical-axis -> mesh-axis rules.
+
+Model code and weight declarations name *logical* axes only ("vocab", "q_heads", ...); the rules
+below, kept as data, say which mesh axis each one is split over. A rule is dropped for a given
+model when the mesh axis does not divide that dimension (e.g. 2 KV heads on an 8-way model axis:
+the KV heads are then replicated, which is the standard tensor-parallel answer for GQA).
+
+The mesh uses `AxisType.Auto` on purpose: jitted steps declare their input/output shardings and
+XLA's propagation places the collectives; `Explicit` sharding-in-types would make every reshape of
+a head axis in the model a typed resharding decision, with no benefit for inference.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
+
+# logical axis -> mesh axis (None = replicated). The tensor-parallel layout: attention heads, MLP
+# columns/rows and the vocabulary are split over `model`; a batch of sequences over `data`.
+DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
+    ("batch", DATA_AXIS),
+    ("vocab", MODEL_AXIS),
+    ("embed", None),
+    ("q_heads", MODEL_AXIS),
+    ("kv_heads", MODEL_AXIS),
+    ("head_dim", None),
+    ("mlp", MODEL_AXIS),
+    ("tokens", None),
+    ("pages", None),
+    ("page_slots", None),
+)
+
+
+def make_mesh(data: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, model) mesh over the first data*model devices."""
+    devices = list(devices if devices is not None else jax.devices())
+    if data < 1 or model < 1:
+        raise ValueError(f"mesh axes must be >= 1, got data={data} model={model}")
+    if data * model > len(devices):
+        raise ValueError(f"mesh {data}x{model} needs {data * model} devices, only {len(devices)} available")
+    return jax.make_mesh((data, model), (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto),
+                         devices=devices[: data * model])
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """'2x4' -> (2, 4): data x model."""
+    try:
+        data, model = (int(p) for p in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"mesh must look like DATAxMODEL (e.g. 1x8), got {text!r}") from None
+    if data < 1 or model < 1:
+        raise ValueError(f"mesh axes must be >= 1, got {text!r}")
+    return data, model
+
+
+def rules_for(dims: Mapping[str, int], mesh: Mesh,
+              rules: Sequence[tuple[str, str | None]] = DEFAULT_RULES) -> dict[str, str | None]:
+    """The rules, minus every one whose mesh axis does not divide that logical dimension's size."""
+    out: dict[str, str | None] = {}
+    for logical, mesh_axis in rules:
+        size = dims.get(logical)
+        if mesh_axis is not None and size is not None and size % mesh.shape[mesh_axis]:
+            mesh_axis = None
+        out[logical] = mesh_axis
+    return out
+
+
+def spec(*logical_names: str | None, rules: Mapping[str, str | None]) -> PartitionSpec:
+    """PartitionSpec for an array whose axes carry these logical names (None = never split)."""
+    used: set[str] = set()
+    axes = []
+    for name in logical_names:
+        axis = rules.get(name) if name is not None else None
+        if axis is not None and axis in used:  # one mesh axis can split only one array axis
+            axis = None
+        if axis is not None:
+            used.add(axis)
+        axes.append(axis)
+    return PartitionSpec(*axes)
+
+
+def named(mesh: Mesh, *logical_names: str | None, rules: Mapping[str, str | None]) -> NamedSharding:
+    return NamedSharding(mesh, spec(*logical_names, rules=rules))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_bytes(shape: Sequence[int], sharding: NamedSharding, itemsize: int) -> int:
+    """Bytes one device holds of an array with this shape and sharding."""
+    shard_shape = sharding.shard_shape(tuple(shape))
+    return int(np.prod(shard_shape)) * itemsize

@@ -1,0 +1,151 @@
+"""Text <-> token ids for one model directory: encode, chat templates, decode, stop ids.
+
+A thin wrapper over transformers' fast tokenizer, loaded from local files only (never downloads).
+Host side: no jax here, and it does not run on the engine thread.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+class Tokenizer:
+    """Encode/decode and chat-template rendering for one Hugging Face model directory."""
+
+    def __init__(self, hf_tokenizer: Any, generation_eos_ids: Iterable[int] = ()) -> None:
+        if not getattr(hf_tokenizer, "is_fast", False):
+            raise ValueError("jaxserve needs a fast (tokenizers-backed) tokenizer")
+        self.hf = hf_tokenizer
+        eos = set(int(i) for i in generation_eos_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self._eos_token_ids = frozenset(eos)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
+        """Load the tokenizer files of a local model directory (no network access)."""
+        from transformers import AutoTokenizer
+
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise ValueError(f"model directory {str(path)!r} does not exist")
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return cls(hf, _generation_config_eos(path / "generation_config.json"))
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Ids that end generation: the tokenizer's eos plus generation_config.json's eos_token_id."""
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added tokens included (ids are 0..vocab_size-1).
+
+        This can be smaller than the model's embedding rows (`config.json` vocab_size), which are
+        often padded.
+        """
+        return len(self.hf)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of all special tokens: the named ones (eos, pad, ...) and added tokens marked special."""
+        ids = set(self.hf.all_special_ids)
+        ids.update(i for i, t in self.hf.added_tokens_decoder.items() if t.special)
+        return sorted(ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    # ------------------------------------------------------------ operations
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        return list(self.hf.convert_ids_to_tokens(list(token_ids)))
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Render `messages` with the model's chat template and encode the result.
+
+        Each message needs a known `role` (system, user, assistant, tool) and a `content` that is a
+        str or a list of `{"type": "text", "text": ...}` parts (joined). An assistant message that
+        carries `tool_calls` may have `content` None. Extra keyword arguments reach the template.
+        """
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template (tokenizer_config.json has no 'chat_template')")
+        normalized = _validate_messages(messages)
+        try:
+            text = self.hf.apply_chat_template(
+                normalized, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
+        except Exception as e:  # jinja errors, raise_exception() in templates
+            raise ValueError(f"chat template failed: {e}") from e
+        # The template already wrote every special token it wants; do not add a BOS again.
+        return self.encode(text, add_special_tokens=False)
+
+
+def _generation_config_eos(path: Path) -> list[int]:
+    if not path.is_file():
+        return []
+    with open(path, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+
+def _validate_messages(messages: Any) -> list[dict[str, Any]]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
+    if len(messages) == 0:
+        raise ValueError("messages must not be empty")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content', got {type(m).__name__}")
+        if "role" not in m:
+            raise ValueError(f"messages[{i}] has no 'role'")
+        role = m["role"]
+        if role not in KNOWN_ROLES:
+            raise ValueError(f"messages[{i}] has unknown role {role!r}; expected one of {sorted(KNOWN_ROLES)}")
+        if "content" not in m:
+            raise ValueError(f"messages[{i}] has no 'content'")
+        msg = dict(m)
+        msg["content"] = _content_text(m["content"], i, allow_none=role == "assistant" and bool(m.get("tool_calls")))
+        out.append(msg)
+    return out
+
+
+def _content_text(content: Any, i: int, allow_none: bool) -> str | None:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if allow_none:
+            return None
+        raise ValueError(f"messages[{i}].content is null")
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(f"messages[{i}].content[{j}] must be a text part {{'type': 'text', 'text': str}}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}")

@@ -1,0 +1,334 @@
+"""The benchmark tooling: bench_serving's load generator and metric arithmetic against a local
+streaming stub (the stub stands in for a server on purpose: it is the client being tested), and
+roofline's byte / FLOP counting against hand-computed values."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench_common  # noqa: E402
+import bench_serving as bs  # noqa: E402
+import roofline as rl  # noqa: E402
+
+FIRST_DELAY = 0.05  # seconds the stub waits before the first chunk
+ITL = 0.01          # seconds between the stub's chunks
+
+
+# ----------------------------------------------------------------------------- stub server
+
+class StubState:
+    def __init__(self) -> None:
+        self.first_delay = FIRST_DELAY
+        self.itl = ITL
+        self.fail_every = 0  # fail the k-th, 2k-th, ... request with HTTP 500 (0 = never)
+        self.bodies: list[dict] = []
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self.lock = threading.Lock()
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+def make_stub_app(state: StubState):
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def handle(request: Request, chat: bool):
+        body = await request.json()
+        with state.lock:
+            state.bodies.append(body)
+            index = len(state.bodies)
+        if state.fail_every and index % state.fail_every == 0:
+            return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
+        n_out = int(body["max_tokens"])
+        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        usage = body.get("stream_options", {}).get("include_usage", False)
+
+        def chunk(text: str) -> str:
+            if chat:
+                choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": None}
+            return "data: " + json.dumps({"id": "x", "choices": [choice]}) + "\n\n"
+
+        async def stream():
+            with state.lock:
+                state.in_flight += 1
+                state.peak_in_flight = max(state.peak_in_flight, state.in_flight)
+            try:
+                if chat:  # a role-only first chunk carries no token and must not count
+                    yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}) + "\n\n"
+                await asyncio.sleep(state.first_delay)
+                for i in range(n_out):
+                    if i:
+                        await asyncio.sleep(state.itl)
+                    yield chunk(f" t{i}")
+                if usage:
+                    u = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+                    yield "data: " + json.dumps({"id": "x", "choices": [], "usage": u}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                with state.lock:
+                    state.in_flight -= 1
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    async def chat(request: Request):
+        return await handle(request, chat=True)
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+@pytest.fixture(scope="module")
+def stub():
+    import uvicorn
+
+    state = StubState()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(make_stub_app(state), log_level="error", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "stub server did not start"
+        time.sleep(0.02)
+    yield state, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=5)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A small byte-level BPE tokenizer trained on this repository's text, saved as an HF dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<eos>"])
+    tok.train_from_iterator([bs.read_corpus(max_chars=50_000)], trainer)
+    out = tmp_path_factory.mktemp("tok")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(out)
+    return str(out)
+
+
+def _cfg(base_url: str, tokenizer_dir: str, **kw) -> bs.BenchConfig:
+    defaults = dict(base_url=base_url, model="stub", tokenizer=tokenizer_dir, num_requests=6,
+                    prompt_len_min=5, prompt_len_max=20, output_len_min=3, output_len_max=6,
+                    prompt_as="ids", seed=1, timeout=20.0)
+    defaults.update(kw)
+    return bs.BenchConfig(**defaults)
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+def test_percentile_matches_hand_computed_linear_interpolation():
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert bench_common.percentile(xs, 50) == pytest.approx(2.5)   # pos 1.5 between 2 and 3
+    assert bench_common.percentile(xs, 95) == pytest.approx(3.85)  # pos 2.85
+    assert bench_common.percentile(xs, 99) == pytest.approx(3.97)  # pos 2.97
+    assert bench_common.percentile(xs, 0) == 1.0 and bench_common.percentile(xs, 100) == 4.0
+    assert bench_common.percentile([7.0], 99) == 7.0
+    assert math.isnan(bench_common.percentile([], 50))
+    rng = np.random.default_rng(0).random(101)
+    assert bench_common.percentile(rng, 37) == pytest.approx(np.percentile(rng, 37))
+    with pytest.raises(ValueError, match="q must be"):
+        bench_common.percentile(xs, 101)
+
+
+def test_compute_metrics_goodput_throughput_and_tpot():
+    R = bs.RequestResult
+    results = [
+        R(ok=True, prompt_len=10, output_len_requested=11, output_tokens=11, ttft=0.1, e2e=1.1),   # tpot 100 ms: good
+        R(ok=True, prompt_len=20, output_len_requested=11, output_tokens=11, ttft=3.0, e2e=4.0),   # ttft 3000 ms: bad
+        R(ok=True, prompt_len=30, output_len_requested=11, output_tokens=11, ttft=0.5, e2e=3.5),   # tpot 300 ms: bad
+        R(ok=True, prompt_len=40, output_len_requested=1, output_tokens=1, ttft=0.2, e2e=0.2,
+          prompt_tokens_reported=44),                                                             # no tpot: good
+        R(ok=False, prompt_len=50, output_len_requested=5, error="HTTP 500: boom"),
+    ]
+    assert results[0].tpot == pytest.approx(0.1)
+    assert results[2].tpot == pytest.approx(0.3)
+    assert math.isnan(results[3].tpot)
+    m = bs.compute_metrics(results, duration=2.0, slo_ttft_ms=2000, slo_tpot_ms=200)
+    assert (m["completed"], m["failed"], m["good_requests"]) == (4, 1, 2)
+    assert m["errors"] == {"HTTP 500: boom": 1}
+    assert m["goodput"] == pytest.approx(1.0)
+    assert m["request_throughput"] == pytest.approx(2.0)
+    assert m["total_output_tokens"] == 34
+    assert m["output_throughput"] == pytest.approx(17.0)
+    assert m["total_input_tokens"] == 10 + 20 + 30 + 44  # usage's prompt_tokens wins when reported
+    assert m["total_token_throughput"] == pytest.approx((104 + 34) / 2.0)
+    assert m["ttft_ms"]["p50"] == pytest.approx(350.0)  # sorted 100, 200, 500, 3000
+    assert m["tpot_ms"]["p50"] == pytest.approx(200.0)  # 100 and 300 (ms), the 1-token request excluded
+    with pytest.raises(ValueError, match="duration"):
+        bs.compute_metrics(results, duration=0.0, slo_ttft_ms=1, slo_tpot_ms=1)
+
+
+def test_arrival_times_poisson_and_burst():
+    assert np.all(bs.arrival_times(5, math.inf, 0) == 0)
+    a = bs.arrival_times(2000, 50.0, seed=3)
+    assert np.array_equal(a, bs.arrival_times(2000, 50.0, seed=3))
+    assert a[0] == 0 and np.all(np.diff(a) >= 0)
+    assert np.mean(np.diff(a)) == pytest.approx(1 / 50.0, rel=0.1)
+
+
+def test_config_validation_names_the_problem():
+    with pytest.raises(ValueError, match="prompt_as='ids' needs endpoint='completions'"):
+        bs.BenchConfig(base_url="x", model="m", endpoint="chat", prompt_as="ids").validate()
+    with pytest.raises(ValueError, match="prompt_len_min"):
+        bs.BenchConfig(base_url="x", model="m", prompt_len_min=10, prompt_len_max=5).validate()
+    with pytest.raises(ValueError, match="request_rate"):
+        bs.BenchConfig(base_url="x", model="m", request_rate=0).validate()
+
+
+def test_prompts_are_deterministic_and_have_the_drawn_lengths(tokenizer_dir):
+    tok = bs.load_tokenizer(tokenizer_dir)
+    cfg = _cfg("http://unused", tokenizer_dir, num_requests=8, prompt_len_min=30, prompt_len_max=60)
+    a, b = bs.build_prompts(cfg, tok), bs.build_prompts(cfg, tok)
+    assert [p.prompt for p in a] == [p.prompt for p in b]
+    assert all(len(p.prompt) == p.prompt_len and 30 <= p.prompt_len <= 60 for p in a)
+    assert len({p.prompt_len for p in a}) > 1
+    other = bs.build_prompts(_cfg("http://unused", tokenizer_dir, num_requests=8, seed=2), tok)
+    assert [p.prompt for p in other] != [p.prompt for p in a]
+    text = bs.build_prompts(_cfg("http://unused", tokenizer_dir, num_requests=4, prompt_as="text"), tok)
+    for p in text:
+        assert isinstance(p.prompt, str)
+        assert len(tok.encode(p.prompt, add_special_tokens=False)) == p.prompt_len
+
+
+# ----------------------------------------------------------------------------- against the stub
+
+def test_run_benchmark_measures_tokens_and_latencies(stub, tokenizer_dir, tmp_path):
+    state, url = stub
+    state.reset()
+    cfg = _cfg(url, tokenizer_dir, json_out=str(tmp_path / "r.json"), plot_dir=str(tmp_path / "plots"))
+    report = bs.run_benchmark(cfg)
+    assert (report["completed"], report["failed"]) == (6, 0)
+    reqs = report["requests"]
+    assert sorted(len(b["prompt"]) for b in state.bodies) == sorted(r["prompt_len"] for r in reqs)
+    assert all(b["ignore_eos"] is True and b["stream"] is True for b in state.bodies)
+    for r in reqs:
+        assert r["output_tokens"] == r["output_len_requested"]
+        assert 3 <= r["output_tokens"] <= 6
+        assert r["ttft"] >= FIRST_DELAY
+        assert len(r["itl"]) == r["output_tokens"] - 1
+        # The stub sleeps ITL between chunks, so the stream cannot end sooner.
+        assert r["e2e"] >= FIRST_DELAY + ITL * (r["output_tokens"] - 1)
+        assert sum(r["itl"]) <= r["e2e"] - r["ttft"] + 1e-9
+        assert r["tpot"] == pytest.approx((r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1))
+    assert report["total_output_tokens"] == sum(b["max_tokens"] for b in state.bodies)
+    assert report["total_input_tokens"] == sum(len(b["prompt"]) for b in state.bodies)
+    assert report["output_throughput"] == pytest.approx(report["total_output_tokens"] / report["duration_s"])
+    assert report["good_requests"] == 6
+    assert report["ttft_ms"]["p50"] >= FIRST_DELAY * 1000
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["total_output_tokens"] == report["total_output_tokens"]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "itl_hist.png", "latency_timeline.png", "tpot_hist.png", "ttft_hist.png"]
+
+
+def test_chat_text_without_usage_counts_chunks_and_respects_concurrency(stub, tokenizer_dir):
+    state, url = stub
+    state.reset()
+    cfg = _cfg(url, tokenizer_dir, endpoint="chat", prompt_as="text", include_usage=False,
+               max_concurrency=2, length_control="none")
+    report = bs.run_benchmark(cfg)
+    assert report["completed"] == 6
+    assert state.peak_in_flight == 2
+    assert all("stream_options" not in b and "ignore_eos" not in b for b in state.bodies)
+    for r in report["requests"]:
+        assert r["output_tokens"] == r["output_len_requested"]  # counted from chunks; role chunk ignored
+        assert r["prompt_tokens_reported"] is None
+
+
+def test_failures_and_slo_are_counted(stub, tokenizer_dir):
+    state, url = stub
+    state.reset()
+    state.fail_every = 3
+    # TTFT is always >= the stub's first delay, so an SLO below it makes every request "bad".
+    cfg = _cfg(url, tokenizer_dir, max_concurrency=1, slo_ttft_ms=FIRST_DELAY * 1000 / 2)
+    report = bs.run_benchmark(cfg)
+    assert (report["completed"], report["failed"]) == (4, 2)
+    assert list(report["errors"]) == ['HTTP 500: {"error":{"message":"injected failure"}}']
+    assert report["good_requests"] == 0 and report["goodput"] == 0.0
+
+
+def test_global_timeout_bounds_the_run(stub, tokenizer_dir):
+    state, url = stub
+    state.reset()
+    state.itl = 0.5  # 3..6 tokens -> every stream needs >= 1 s
+    t = time.monotonic()
+    report = bs.run_benchmark(_cfg(url, tokenizer_dir, timeout=0.4))
+    assert time.monotonic() - t < 5
+    assert report["completed"] == 0 and report["failed"] == 6
+    assert all("global timeout" in e for e in report["errors"])
+
+
+# ----------------------------------------------------------------------------- roofline
+
+TINY = {
+    "model_type": "qwen3", "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 16, "vocab_size": 32,
+    "tie_word_embeddings": True, "torch_dtype": "float32",
+}
+
+
+def test_roofline_decode_and_prefill_arithmetic(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    r = rl.roofline(path, batch=2, context_len=10, bw=1000.0, flops_rate=1000.0)
+    # per layer: q 8*2*4=64, k 32, v 32, o 64, mlp 3*8*16=384 -> 576 matmul params;
+    # norms 8 + 8 + q_norm 4 + k_norm 4 = 24. Total 2*(576+24) + final norm 8 + tied embed 256 = 1464.
+    assert r["total_params"] == 1464
+    assert r["weight_bytes"] == 1464 * 4                 # tied: the embedding is read once, as lm_head
+    assert r["kv_read_bytes"] == 2 * 10 * (2 * 2 * 1 * 4) * 4   # batch*ctx*(K,V * layers * kv heads * head_dim)*4 B = 640
+    assert r["kv_write_bytes"] == 2 * (2 * 2 * 1 * 4) * 4      # 128
+    assert r["decode_bytes"] == 5856 + 640 + 128
+    # 2*576*2 layers*2 rows = 4608; attention 4*2 heads*4*10 ctx*2 layers*2 rows = 1280; lm_head 2*256*2 = 1024
+    assert r["decode_flops"] == 4608 + 1280 + 1024
+    assert r["decode_step_s"] == pytest.approx(6.912) and r["decode_bound"] == "compute"
+    assert r["decode_tokens_per_s"] == pytest.approx(2 / 6.912)
+    # prefill of 2 x 10 tokens: 2*576*2*20 = 46080; causal attention 4*2*4*2 layers*2 seqs*55 = 7040; lm_head 1024
+    assert r["prefill_flops"] == 46080 + 7040 + 1024
+    # weights 5856 + KV written for 20 tokens 20*16*4 = 1280
+    assert r["prefill_bytes"] == 5856 + 1280
+
+
+def test_roofline_untied_counts_lm_head_and_gathered_rows(tmp_path):
+    cfg = dict(TINY, tie_word_embeddings=False, torch_dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = rl.roofline(tmp_path, batch=1, context_len=1, bw=1.0, flops_rate=1e9)
+    assert r["total_params"] == 1464 + 256
+    # bf16 weights: layers 1200 + final norm 8 + lm_head 256 + 1 gathered embedding row of 8
+    assert r["weight_bytes"] == (1200 + 8 + 256 + 8) * 2
+    assert r["decode_bound"] == "memory"
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        (tmp_path / "config.json").write_text(json.dumps(dict(TINY, num_experts=8)))
+        rl.roofline(tmp_path, 1, 1, 1.0, 1.0)
+    with pytest.raises(ValueError, match="batch and context_len"):
+        rl.roofline(tmp_path, 0, 1, 1.0, 1.0)
