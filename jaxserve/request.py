@@ -68,6 +68,7 @@ class Sequence:
     pending_siblings: list["Sequence"] = dataclasses.field(default_factory=list)
     fork_pending: bool = False         # a sibling still waiting for the leader's fork (holds no pages)
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission (reported in events)
+    admitted_once: bool = False        # later admissions are recomputes after a preemption
     max_len: int = 0                   # total tokens (prompt + output) at which the sequence stops (LENGTH)
 
     @property

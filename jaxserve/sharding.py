@@ -61,11 +61,12 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 def rules_for(dims: Mapping[str, int], mesh: Mesh,
               rules: Sequence[tuple[str, str | None]] = DEFAULT_RULES) -> dict[str, str | None]:
-    """The rules, minus every one whose mesh axis does not divide that logical dimension's size."""
+    """The rules, minus every one whose mesh axis is trivial (size 1) or does not divide that
+    logical dimension's size."""
     out: dict[str, str | None] = {}
     for logical, mesh_axis in rules:
         size = dims.get(logical)
-        if mesh_axis is not None and size is not None and size % mesh.shape[mesh_axis]:
+        if mesh_axis is not None and (mesh.shape[mesh_axis] == 1 or (size is not None and size % mesh.shape[mesh_axis])):
             mesh_axis = None
         out[logical] = mesh_axis
     return out

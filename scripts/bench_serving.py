@@ -55,6 +55,7 @@ class BenchConfig:
     length_control: LengthControl = "ignore_eos"
     extra_body: dict[str, Any] = field(default_factory=dict)
     corpus: str | None = None             # file or dir of .md/.py text; None => this repository
+    corpus_max_chars: int = 400_000
     api_key: str | None = None
     json_out: str | None = None
     plot_dir: str | None = None
@@ -151,7 +152,7 @@ def build_prompts(cfg: BenchConfig, tokenizer: Any, n: int | None = None) -> lis
     """Deterministic (seeded) prompts cut from the corpus at random offsets, with uniform lengths."""
     n = cfg.num_requests if n is None else n
     rng = np.random.default_rng(cfg.seed)
-    pool = list(tokenizer.encode(read_corpus(cfg.corpus), add_special_tokens=False))
+    pool = list(tokenizer.encode(read_corpus(cfg.corpus, cfg.corpus_max_chars), add_special_tokens=False, verbose=False))
     if not pool:
         raise ValueError("the tokenizer produced no tokens from the corpus")
     # Tile so that any window of prompt_len_max (+ slack for text re-encoding) fits.

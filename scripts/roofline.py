@@ -152,7 +152,7 @@ def measure_copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, backend: s
         import jax.numpy as jnp
 
         x = jnp.ones(n, dtype=jnp.float32)
-        copy = jax.jit(lambda a: a + 0.0)  # a fresh output buffer: one read + one write
+        copy = jax.jit(lambda a: a + 1.0)  # a fresh output buffer: one read + one write (x + 0 may be elided)
         t = _median_time(lambda: copy(x).block_until_ready(), repeats)
     else:
         raise ValueError(f"backend must be 'numpy' or 'jax', got {backend!r}")

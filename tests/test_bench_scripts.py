@@ -131,7 +131,7 @@ def tokenizer_dir(tmp_path_factory):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=["<eos>"])
-    tok.train_from_iterator([bs.read_corpus(max_chars=50_000)], trainer)
+    tok.train_from_iterator([bs.read_corpus(max_chars=20_000)], trainer)
     out = tmp_path_factory.mktemp("tok")
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(out)
     return str(out)
@@ -140,7 +140,7 @@ def tokenizer_dir(tmp_path_factory):
 def _cfg(base_url: str, tokenizer_dir: str, **kw) -> bs.BenchConfig:
     defaults = dict(base_url=base_url, model="stub", tokenizer=tokenizer_dir, num_requests=6,
                     prompt_len_min=5, prompt_len_max=20, output_len_min=3, output_len_max=6,
-                    prompt_as="ids", seed=1, timeout=20.0)
+                    prompt_as="ids", seed=1, timeout=20.0, corpus_max_chars=20_000)
     defaults.update(kw)
     return bs.BenchConfig(**defaults)
 
@@ -184,7 +184,9 @@ def test_compute_metrics_goodput_throughput_and_tpot():
     assert m["total_input_tokens"] == 10 + 20 + 30 + 44  # usage's prompt_tokens wins when reported
     assert m["total_token_throughput"] == pytest.approx((104 + 34) / 2.0)
     assert m["ttft_ms"]["p50"] == pytest.approx(350.0)  # sorted 100, 200, 500, 3000
-    assert m["tpot_ms"]["p50"] == pytest.approx(200.0)  # 100 and 300 (ms), the 1-token request excluded
+    # TPOT of the first three: 100, 100, 300 ms; the 1-token request has none and is left out.
+    assert m["tpot_ms"]["p50"] == pytest.approx(100.0)
+    assert m["tpot_ms"]["mean"] == pytest.approx(500.0 / 3)
     with pytest.raises(ValueError, match="duration"):
         bs.compute_metrics(results, duration=0.0, slo_ttft_ms=1, slo_tpot_ms=1)
 
@@ -301,18 +303,21 @@ TINY = {
 def test_roofline_decode_and_prefill_arithmetic(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY))
-    r = rl.roofline(path, batch=2, context_len=10, bw=1000.0, flops_rate=1000.0)
+    r = rl.roofline(path, batch=2, context_len=10, bw=1000.0, flops_rate=500.0)
     # per layer: q 8*2*4=64, k 32, v 32, o 64, mlp 3*8*16=384 -> 576 matmul params;
     # norms 8 + 8 + q_norm 4 + k_norm 4 = 24. Total 2*(576+24) + final norm 8 + tied embed 256 = 1464.
     assert r["total_params"] == 1464
     assert r["weight_bytes"] == 1464 * 4                 # tied: the embedding is read once, as lm_head
-    assert r["kv_read_bytes"] == 2 * 10 * (2 * 2 * 1 * 4) * 4   # batch*ctx*(K,V * layers * kv heads * head_dim)*4 B = 640
-    assert r["kv_write_bytes"] == 2 * (2 * 2 * 1 * 4) * 4      # 128
-    assert r["decode_bytes"] == 5856 + 640 + 128
+    # K and V per position: 2 * 2 layers * 1 kv head * head_dim 4 = 16 elements = 64 bytes.
+    assert r["kv_read_bytes"] == 2 * 10 * 64                # 2 rows x 10 positions = 1280
+    assert r["kv_write_bytes"] == 2 * 64                    # one new position per row = 128
+    assert r["decode_bytes"] == 5856 + 1280 + 128
     # 2*576*2 layers*2 rows = 4608; attention 4*2 heads*4*10 ctx*2 layers*2 rows = 1280; lm_head 2*256*2 = 1024
     assert r["decode_flops"] == 4608 + 1280 + 1024
-    assert r["decode_step_s"] == pytest.approx(6.912) and r["decode_bound"] == "compute"
-    assert r["decode_tokens_per_s"] == pytest.approx(2 / 6.912)
+    # 7264 B / 1000 B/s = 7.264 s < 6912 FLOP / 500 FLOP/s = 13.824 s
+    assert r["decode_time_memory_s"] == pytest.approx(7.264)
+    assert r["decode_step_s"] == pytest.approx(13.824) and r["decode_bound"] == "compute"
+    assert r["decode_tokens_per_s"] == pytest.approx(2 / 13.824)
     # prefill of 2 x 10 tokens: 2*576*2*20 = 46080; causal attention 4*2*4*2 layers*2 seqs*55 = 7040; lm_head 1024
     assert r["prefill_flops"] == 46080 + 7040 + 1024
     # weights 5856 + KV written for 20 tokens 20*16*4 = 1280
@@ -332,3 +337,41 @@ def test_roofline_untied_counts_lm_head_and_gathered_rows(tmp_path):
         rl.roofline(tmp_path, 1, 1, 1.0, 1.0)
     with pytest.raises(ValueError, match="batch and context_len"):
         rl.roofline(tmp_path, 0, 1, 1.0, 1.0)
+
+
+# ----------------------------------------------------------------------------- bench_vs_peers report
+
+def test_marked_section_is_replaced_without_touching_the_rest(tmp_path):
+    doc = tmp_path / "BENCH.md"
+    start, end = "<!-- s -->", "<!-- e -->"
+    bench_common.replace_marked_section(doc, start, end, "first", header="# Header")
+    assert doc.read_text() == "# Header\n\n<!-- s -->\nfirst\n<!-- e -->\n"
+    doc.write_text("# Header\n\nintro\n\n<!-- s -->\nfirst\n<!-- e -->\n\n## Other section\nkeep me\n")
+    bench_common.replace_marked_section(doc, start, end, "second", header="# unused")
+    assert doc.read_text() == "# Header\n\nintro\n\n<!-- s -->\nsecond\n<!-- e -->\n\n## Other section\nkeep me\n"
+    doc.write_text("<!-- s -->\nno end marker\n")
+    with pytest.raises(ValueError, match="unbalanced"):
+        bench_common.replace_marked_section(doc, start, end, "x", header="")
+
+
+def test_peer_report_ratios_use_medians_and_the_best_peer():
+    import bench_vs_peers as bvp
+
+    def outcomes(*tputs):
+        return [bvp.Outcome(output_throughput=t, total_token_throughput=2 * t, request_throughput=1.0) for t in tputs]
+
+    systems = [
+        bvp.System("jaxserve", measure=lambda: None, is_jaxserve=True, outcomes=outcomes(90, 100, 400)),
+        bvp.System("static 1", measure=lambda: None, outcomes=outcomes(50, 50, 10)),
+        bvp.System("static 16", measure=lambda: None, outcomes=outcomes(80, 70, 90)),
+        bvp.System("serve", measure=lambda: None, error="needs fastapi"),
+    ]
+    rows = bvp.summarize_systems(systems)
+    assert [r["output_throughput"] for r in rows[:3]] == [100, 50, 80]  # medians over the repeats
+    meta = {"date": "d", "model": "m", "model_desc": "x", "workload": "w", "repeats": 3,
+            "machine": {"cpu": "c"}, "command": "python scripts/bench_vs_peers.py"}
+    md = bvp.markdown_report(rows, meta)
+    assert "| static 1 | 50.0 | 100.0 |" in md and md.count("| 2.00 |") == 1  # 100 / 50
+    assert "| static 16 | 80.0 |" in md and "| 1.25 |" in md                 # 100 / 80
+    assert "jaxserve / best peer (static 16), output tok/s: 1.25" in md
+    assert "not measured: serve — needs fastapi" in md

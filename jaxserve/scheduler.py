@@ -1,0 +1,446 @@
+"""Continuous-batching scheduler: admission, per-step token budget, stall-free chunked prefill,
+preemption by recompute, FCFS or priority order. Pure Python; touches no arrays.
+
+One step: `schedule()` -> StepPlan -> (model runs) -> `update(plan, sampled)` -> TokenEvents.
+
+Order inside a step: every running sequence with one token left (a decode) is scheduled first, one
+token each; then running sequences still prefilling continue in the leftover budget (a long prompt
+is split over steps and never holds up decodes); then waiting requests are admitted while the budget,
+`max_num_seqs` and the free pages allow (none in a step that had to preempt).
+
+n > 1: the prompt is computed once. Sample 0 (the leader) prefills all but the last prompt token;
+then every sample gets the leader's pages by reference (`PageAllocator.fork`) and computes the last
+prompt token on its own, so each sample has its own logits row and seed. The partially filled last
+page is copied on write (StepPlan.copies). Prefilling n times with prefix hits would recompute the
+partial last page n times and could not share pages with the same step's other samples, because
+pages enter the prefix cache only once their K/V is computed (in `update`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+from jaxserve.page_allocator import PageAllocator
+from jaxserve.request import FinishReason, Request, Sequence, SequenceStatus, TokenEvent
+
+logger = logging.getLogger("jaxserve.scheduler")
+
+_CONFIG_FIELDS = ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                  "enable_prefix_caching", "scheduling_policy", "model_id")
+
+
+@dataclasses.dataclass
+class SampledToken:
+    """What the model runner returns per chunk with sample=True, in plan order."""
+
+    seq_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    seq_id: str
+    request: Request
+    sample_index: int
+    token_ids: list[int]         # tokens whose K/V this step computes (a prefill chunk or 1 decode token)
+    start_pos: int               # absolute position of token_ids[0] (= tokens already in the KV cache)
+    page_table: list[int]        # pages covering positions [0, start_pos + len(token_ids))
+    sample: bool                 # chunk ends at the sequence's last token: one token is sampled
+    output_token_ids: list[int]  # generated tokens so far; the live list, read it before update()
+
+
+@dataclasses.dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = dataclasses.field(default_factory=list)  # 1-token chunks first
+    num_tokens: int = 0
+    # (src_page, dst_page) copies done before the step; they read the pages as they were before the
+    # step, and no page is a destination twice.
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    preempted: list[str] = dataclasses.field(default_factory=list)        # seq ids sent back to waiting
+    finished: list[TokenEvent] = dataclasses.field(default_factory=list)  # finishes without a step (abort)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(1 for c in self.chunks if c.sample)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_total_pages: int
+    prefix_cache_queries: int   # prompt tokens looked up at admission
+    prefix_cache_hits: int      # of those, tokens served from the cache
+    num_preemptions: int
+
+
+@dataclasses.dataclass
+class _Step:
+    plan: StepPlan
+    budget: int
+    scheduled: dict[str, ScheduledChunk] = dataclasses.field(default_factory=dict)
+    preempted: bool = False
+    cache_hit_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, engine_config: Any, allocator: PageAllocator) -> None:
+        for name in _CONFIG_FIELDS:
+            if not hasattr(engine_config, name):
+                raise ValueError(f"engine config lacks '{name}'")
+        cfg = engine_config
+        if cfg.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {cfg.scheduling_policy!r}")
+        if cfg.page_size != allocator.page_size:
+            raise ValueError(f"page_size {cfg.page_size} != allocator page size {allocator.page_size}")
+        num_kv_pages = getattr(cfg, "num_kv_pages", None)
+        if num_kv_pages is not None and num_kv_pages != allocator.num_pages:
+            raise ValueError(f"num_kv_pages {num_kv_pages} != allocator pages {allocator.num_pages}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(cfg, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+        self.config = cfg
+        self.allocator = allocator
+        self._priority = cfg.scheduling_policy == "priority"
+        # A sequence may grow to this many tokens: the model's context, or the whole pool if smaller.
+        self._context_limit = min(cfg.max_model_len, allocator.num_pages * allocator.page_size)
+        self._lock = threading.Lock()  # add/abort/finish may come from other threads
+        self._incoming: list[list[Sequence]] = []
+        self._removals: list[tuple[str, int | None, bool]] = []  # (request_id, sample_index, is_abort)
+        self._requests: dict[str, list[Sequence]] = {}
+        self._order: dict[str, int] = {}      # arrival counter: tie-break for equal arrival times
+        self._next_order = 0
+        self._seqs: dict[str, Sequence] = {}
+        self._waiting: list[list[Sequence]] = []  # admission units; [leader, pending siblings] or [seq]
+        self._running: list[Sequence] = []
+        self._num_preemptions = 0
+
+    # ---- entry points (any thread) -------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queues a request. Raises ValueError for a request that could never run."""
+        prompt = request.prompt_token_ids
+        if not isinstance(request.request_id, str) or not request.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request.request_id!r}")
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and t >= 0 for t in prompt):
+            raise ValueError("prompt_token_ids must hold non-negative integers")
+        params = request.params
+        if not isinstance(params.n, int) or params.n < 1:
+            raise ValueError(f"n must be >= 1, got {params.n!r}")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        max_len = self._max_len(len(prompt), params.max_tokens)
+        with self._lock:
+            if request.request_id in self._requests:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            seqs = [Sequence(f"{request.request_id}#{i}", request, i, max_len=max_len,
+                             fork_pending=i > 0) for i in range(params.n)]
+            seqs[0].pending_siblings = seqs[1:]
+            self._requests[request.request_id] = seqs
+            self._order[request.request_id] = self._next_order
+            self._next_order += 1
+            self._incoming.append(seqs)
+
+    def abort(self, request_id: str) -> None:
+        """Removes the request at the next schedule(); each unfinished sample gets a final ABORT event
+        (in StepPlan.finished). Unknown or finished ids are ignored (a late client disconnect)."""
+        with self._lock:
+            self._removals.append((request_id, None, True))
+
+    def finish(self, request_id: str, sample_index: int | None = None) -> None:
+        """Stops a request (or one of its samples) whose stop string was found downstream; no event.
+        Tokens sampled in the step in flight are still returned by update(); drop them downstream."""
+        with self._lock:
+            self._removals.append((request_id, sample_index, False))
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._incoming or self._removals or self._running or self._waiting)
+
+    def stats(self) -> SchedulerStats:
+        with self._lock:
+            incoming = sum(len(u) for u in self._incoming)
+        return SchedulerStats(
+            num_running=len(self._running), num_waiting=incoming + sum(len(u) for u in self._waiting),
+            num_free_pages=self.allocator.num_free_pages, num_total_pages=self.allocator.num_pages,
+            prefix_cache_queries=self.allocator.stats.queries, prefix_cache_hits=self.allocator.stats.hits,
+            num_preemptions=self._num_preemptions)
+
+    # ---- the step (engine thread) --------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        st = _Step(StepPlan(), self.config.max_num_batched_tokens)
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+            removals, self._removals = self._removals, []
+        self._waiting.extend(incoming)
+        for request_id, sample_index, is_abort in removals:
+            self._remove(request_id, sample_index, is_abort, st.plan)
+
+        for decode_phase in (True, False):
+            for seq in list(self._running):
+                if st.budget == 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING or seq.fork_pending or seq.seq_id in st.scheduled:
+                    continue
+                self._maybe_fork(seq)
+                if (seq.target_len - seq.num_computed_tokens == 1) == decode_phase:
+                    self._schedule_seq(seq, st, allow_preempt=True)
+        if not st.preempted:
+            self._admit(st)
+
+        plan = st.plan
+        plan.chunks.sort(key=lambda c: len(c.token_ids) != 1)  # stable: 1-token chunks first
+        plan.num_tokens = sum(len(c.token_ids) for c in plan.chunks)
+        for chunk in plan.chunks:
+            self._seqs[chunk.seq_id].num_computed_tokens += len(chunk.token_ids)
+        if logger.isEnabledFor(logging.DEBUG):
+            decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1)
+            logger.debug("step: running=%d waiting=%d tokens=%d (decode %d, prefill %d) preempted=%d "
+                         "cache_hit_tokens=%d free_pages=%d", len(self._running),
+                         sum(len(u) for u in self._waiting), plan.num_tokens, decodes,
+                         plan.num_tokens - decodes, len(plan.preempted), st.cache_hit_tokens,
+                         self.allocator.num_free_pages)
+        return plan
+
+    def update(self, plan: StepPlan, sampled: list[SampledToken]) -> list[TokenEvent]:
+        """Appends the sampled tokens (one per chunk with sample=True, in plan order), applies stop
+        conditions, frees finished sequences' pages and returns one TokenEvent per sampled token."""
+        if len(sampled) != plan.num_samples:
+            raise ValueError(f"expected {plan.num_samples} sampled tokens for this plan, got {len(sampled)}")
+        events: list[TokenEvent] = []
+        it = iter(sampled)
+        for chunk in plan.chunks:
+            seq = self._seqs[chunk.seq_id]
+            self._commit(seq)
+            if not chunk.sample:
+                continue
+            tok = next(it)
+            if tok.seq_id != chunk.seq_id:
+                raise ValueError(f"sampled token for {tok.seq_id!r} where the plan has {chunk.seq_id!r}")
+            seq.output_token_ids.append(tok.token_id)
+            reason = self._stop_reason(seq, tok.token_id)
+            events.append(TokenEvent(seq.request.request_id, seq.sample_index, tok.token_id, tok.logprob,
+                                     tok.top_logprobs, reason, seq.num_prompt_tokens,
+                                     seq.num_cached_prompt_tokens))
+            if reason is not None:
+                self._retire(seq)
+        return events
+
+    # ---- admission and limits ------------------------------------------------------------------
+
+    def _max_len(self, prompt_len: int, max_tokens: int | None) -> int:
+        """Total length at which a sequence stops; raises ValueError when it can never run."""
+        cfg = self.config
+        if max_tokens is None:
+            if prompt_len >= self._context_limit:
+                raise ValueError(f"prompt ({prompt_len} tokens) leaves no room for output: the context "
+                                 f"limit is {self._context_limit} tokens")
+            return self._context_limit
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens!r}")
+        total = prompt_len + max_tokens
+        if total > cfg.max_model_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                             f"max_model_len ({cfg.max_model_len})")
+        pages = self.allocator.pages_needed(total)
+        if pages > self.allocator.num_pages:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {pages} KV "
+                             f"pages; the pool has {self.allocator.num_pages}")
+        return total
+
+    def _namespace(self, request: Request) -> str:
+        salt = "" if request.cache_salt is None else "\x01" + request.cache_salt
+        return f"{self.config.model_id}\x00{salt}"
+
+    def _unit_key(self, unit: list[Sequence]) -> tuple:
+        """Waiting order: arrival (FCFS), or priority then arrival; a preempted sequence keeps its
+        request's arrival, so it goes back in front of later requests."""
+        return self._victim_key(unit[0])
+
+    def _victim_key(self, seq: Sequence) -> tuple:
+        req = seq.request
+        key = (req.arrival_time, self._order[req.request_id], seq.sample_index)
+        return (req.priority, *key) if self._priority else key
+
+    def _admit(self, st: _Step) -> None:
+        self._waiting.sort(key=self._unit_key)  # nearly sorted already: linear
+        alloc = self.allocator
+        while self._waiting and st.budget > 0:
+            unit = self._waiting[0]
+            if len(self._running) + len(unit) > self.config.max_num_seqs:
+                break
+            leader = unit[0]
+            tokens = leader.token_slice(0, leader.num_tokens)  # prompt (+ output when recomputing)
+            namespace = self._namespace(leader.request)
+            cached, num_cached = alloc.match_prefix(tokens, namespace)
+            assert num_cached <= leader.target_len  # the match never covers the last token
+            first = min(leader.target_len - num_cached, st.budget)
+            if not alloc.can_allocate(alloc.pages_needed(num_cached + first) - len(cached), holding=cached):
+                break  # head of line waits: no skipping, so nobody starves
+            self._waiting.pop(0)
+            alloc.open(leader.seq_id, namespace, cached, num_query_tokens=len(tokens))
+            st.cache_hit_tokens += num_cached
+            if not leader.admitted_once:  # a recompute keeps the first admission's figure
+                leader.num_cached_prompt_tokens = num_cached
+            leader.num_computed_tokens = num_cached
+            for seq in unit:
+                seq.status = SequenceStatus.RUNNING
+                seq.admitted_once = True
+                self._seqs[seq.seq_id] = seq
+                self._running.append(seq)
+            for seq in unit:
+                if seq.fork_pending:
+                    continue  # the leader's fork (below) is not due yet
+                self._maybe_fork(seq)
+                self._schedule_seq(seq, st, allow_preempt=False)
+
+    def _maybe_fork(self, leader: Sequence) -> None:
+        if leader.pending_siblings and leader.num_computed_tokens == leader.num_prompt_tokens - 1:
+            for sib in leader.pending_siblings:
+                self.allocator.fork(leader.seq_id, sib.seq_id)
+                sib.num_computed_tokens = leader.num_computed_tokens
+                sib.num_cached_prompt_tokens = leader.num_cached_prompt_tokens
+                sib.fork_pending = False
+            leader.pending_siblings = []
+
+    def _schedule_seq(self, seq: Sequence, st: _Step, allow_preempt: bool) -> None:
+        """Schedules seq's next chunk within the budget, growing its pages; when the pool is dry a
+        prefill chunk shrinks to what fits, and otherwise (allow_preempt) victims are preempted."""
+        alloc = self.allocator
+        start = seq.num_computed_tokens
+        length = min(seq.target_len - start, st.budget)
+        if length <= 0:
+            return
+        while alloc.pages_to_grow(seq.seq_id, start + length, start) > alloc.num_free_pages:
+            fit = self._tokens_that_fit(seq.seq_id, start, length)
+            if fit > 0:
+                length = fit
+                break
+            if not allow_preempt:
+                return
+            victim = max((s for s in self._running if not s.fork_pending), key=self._victim_key)
+            self._preempt(victim, st)
+            if victim is seq:
+                return
+        copies = alloc.grow(seq.seq_id, start + length, start)
+        chunk = ScheduledChunk(
+            seq_id=seq.seq_id, request=seq.request, sample_index=seq.sample_index,
+            token_ids=seq.token_slice(start, start + length), start_pos=start,
+            page_table=list(alloc.page_table(seq.seq_id)), sample=start + length == seq.num_tokens,
+            output_token_ids=seq.output_token_ids)
+        st.plan.chunks.append(chunk)
+        st.plan.copies.extend(copies)
+        st.scheduled[seq.seq_id] = chunk
+        st.budget -= length
+
+    def _tokens_that_fit(self, seq_id: str, start: int, length: int) -> int:
+        """Largest m <= length whose growth fits in the free pages (0 if none); pages_to_grow is
+        monotone in m, so bisect."""
+        lo, hi = 0, length
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.allocator.pages_to_grow(seq_id, start + mid, start) <= self.allocator.num_free_pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _preempt(self, victim: Sequence, st: _Step) -> None:
+        """Frees the victim's pages and sends it back to the front of the waiting queue to be
+        recomputed (prompt + generated tokens prefilled again; nothing is emitted twice). A leader
+        whose samples have not forked yet goes back with them."""
+        chunk = st.scheduled.pop(victim.seq_id, None)
+        if chunk is not None:  # already scheduled this step: take it back
+            st.plan.chunks.remove(chunk)
+            st.budget += len(chunk.token_ids)
+            mine = set(self.allocator.page_table(victim.seq_id))
+            st.plan.copies = [cp for cp in st.plan.copies if cp[1] not in mine]
+        unit = [victim, *victim.pending_siblings]
+        for seq in unit:
+            if self.allocator.has_sequence(seq.seq_id):
+                self.allocator.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self._running.remove(seq)
+            st.plan.preempted.append(seq.seq_id)
+        self._waiting.append(unit)  # _admit sorts the queue: it lands in front of later arrivals
+        self._num_preemptions += 1
+        st.preempted = True
+
+    # ---- finishing -----------------------------------------------------------------------------
+
+    def _commit(self, seq: Sequence) -> None:
+        """Puts seq's newly completed full pages into the prefix cache (their K/V is now computed)."""
+        ps = self.allocator.page_size
+        full = seq.num_computed_tokens // ps
+        if self.allocator.enable_prefix_caching and full > self.allocator.num_committed_pages(seq.seq_id):
+            self.allocator.commit(seq.seq_id, seq.token_slice(0, full * ps))
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.request.params
+        if len(seq.output_token_ids) > params.min_tokens:  # stops count only after min_tokens tokens
+            if not params.ignore_eos and token in seq.request.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+        if seq.num_tokens >= seq.max_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _retire(self, seq: Sequence) -> None:
+        """Finished: pages released (full ones stay in the prefix cache as evictable)."""
+        if self.allocator.has_sequence(seq.seq_id):
+            self.allocator.free(seq.seq_id)
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self._seqs.pop(seq.seq_id, None)
+        request_id = seq.request.request_id
+        if all(s.status is SequenceStatus.FINISHED for s in self._requests[request_id]):
+            del self._requests[request_id]
+            del self._order[request_id]
+
+    def _remove(self, request_id: str, sample_index: int | None, is_abort: bool, plan: StepPlan) -> None:
+        seqs = self._requests.get(request_id)
+        if seqs is None:
+            return
+        targets = [s for s in seqs if s.status is not SequenceStatus.FINISHED
+                   and (sample_index is None or s.sample_index == sample_index)]
+        for seq in targets:
+            for other in seqs:  # a sibling not yet forked leaves its leader's list
+                if seq in other.pending_siblings:
+                    other.pending_siblings.remove(seq)
+            survivors = [p for p in seq.pending_siblings if p not in targets]
+            if survivors:
+                self._hand_over(seq, survivors)
+            seq.pending_siblings = []
+            if seq.status is SequenceStatus.WAITING:
+                for unit in self._waiting:
+                    if seq in unit:
+                        unit.remove(seq)
+                self._waiting = [u for u in self._waiting if u]
+            if is_abort:
+                plan.finished.append(TokenEvent(request_id, seq.sample_index, None, None, None,
+                                                FinishReason.ABORT, seq.num_prompt_tokens,
+                                                seq.num_cached_prompt_tokens))
+            self._retire(seq)
+
+    def _hand_over(self, leader: Sequence, survivors: list[Sequence]) -> None:
+        """A leader removed before its fork passes the role (and its pages, by reference) to the
+        first surviving sibling, which then prefills on for the rest."""
+        heir = survivors[0]
+        heir.pending_siblings = survivors[1:]
+        heir.fork_pending = False
+        if self.allocator.has_sequence(leader.seq_id):
+            self.allocator.fork(leader.seq_id, heir.seq_id)
+        heir.num_computed_tokens = leader.num_computed_tokens
+        heir.num_cached_prompt_tokens = leader.num_cached_prompt_tokens

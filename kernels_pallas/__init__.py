@@ -1,0 +1,74 @@
+"""Pallas kernels for jaxserve: ragged paged attention on TPU (Mosaic), GPU (Triton) and a jnp reference.
+
+`ragged_paged_attention(...)` picks the backend from `jax.default_backend()`;
+`get_attention_backend(name)` returns one explicitly. All backends share the signature pinned in
+docs/CONTRACTS.md ("Ragged paged attention"). This package imports nothing from jaxserve.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu, supports as gpu_supports
+from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
+from kernels_pallas.ragged_paged_attention_tpu import ragged_paged_attention_tpu
+
+AttentionFn = Callable[..., jax.Array]
+
+BACKENDS = ("reference", "tpu", "gpu", "auto")
+
+
+def _gpu_or_reference(q, k_pages, *args, **kwargs) -> jax.Array:
+    """GPU kernel when it handles the head_dim/page_size, else the reference (same numbers)."""
+    if gpu_supports(head_dim=k_pages.shape[-1], page_size=k_pages.shape[1]):
+        return ragged_paged_attention_gpu(q, k_pages, *args, **kwargs)
+    return ragged_paged_attention_reference(q, k_pages, *args, **kwargs)
+
+
+def get_attention_backend(name: str) -> AttentionFn:
+    """"reference" | "tpu" | "gpu" | "auto" (by jax.default_backend() at call time)."""
+    if name == "reference":
+        return ragged_paged_attention_reference
+    if name == "tpu":
+        return ragged_paged_attention_tpu
+    if name == "gpu":
+        return ragged_paged_attention_gpu
+    if name == "auto":
+        return ragged_paged_attention
+    raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, H, D]
+    k_pages: jax.Array,  # [P, ps, KVH, D]
+    v_pages: jax.Array,  # [P, ps, KVH, D]
+    seq_lens: jax.Array,  # [S] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    page_tables: jax.Array,  # [S, MP] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [T, H, D]
+    """Ragged paged attention on the default backend: tpu -> Mosaic kernel, gpu -> Triton kernel,
+    anything else -> the jnp reference."""
+    backend = jax.default_backend()
+    args = (q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if backend == "tpu":
+        return ragged_paged_attention_tpu(*args, **kwargs)
+    if backend == "gpu":
+        return _gpu_or_reference(*args, **kwargs)
+    return ragged_paged_attention_reference(*args, **kwargs)
+
+
+__all__ = [
+    "BACKENDS",
+    "get_attention_backend",
+    "ragged_paged_attention",
+    "ragged_paged_attention_gpu",
+    "ragged_paged_attention_reference",
+    "ragged_paged_attention_tpu",
+]

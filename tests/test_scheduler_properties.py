@@ -1,0 +1,212 @@
+"""Property test: random submit / abort / finish / step sequences against the scheduler + allocator,
+with a deterministic stand-in for the model (token = function of (seq_id, position)).
+
+After every step: allocator invariants, token budget, seq limit, every chunk computes exactly the
+next tokens of its sequence into pages only it holds. At the end: every sample finished exactly once,
+nothing lost or duplicated, all pages back, and every sample's output equals its run-alone output.
+"""
+
+import dataclasses
+import zlib
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxserve.config import EngineConfig
+from jaxserve.page_allocator import PageAllocator
+from jaxserve.request import FinishReason, Request
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import SampledToken, Scheduler
+
+EOS = 0
+MAX_MODEL_LEN = 48
+PREFIXES = [[(p * 37 + i * 11) % 19 + 1 for i in range(16)] for p in range(2)]
+
+
+def model(seq_id: str, position: int) -> int:
+    return zlib.crc32(f"{seq_id}:{position}".encode()) % 40  # EOS (0) about once in 40 tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    page_size: int
+    num_pages: int
+    max_num_seqs: int
+    budget: int
+    policy: str
+    caching: bool
+
+
+def make(setup: Setup, num_pages: int | None = None, max_model_len: int = MAX_MODEL_LEN) -> Scheduler:
+    pages = num_pages or setup.num_pages
+    cfg = EngineConfig(page_size=setup.page_size, num_kv_pages=pages, max_num_seqs=setup.max_num_seqs,
+                       max_num_batched_tokens=setup.budget, max_model_len=max_model_len,
+                       enable_prefix_caching=setup.caching, scheduling_policy=setup.policy, model_id="m")
+    return Scheduler(cfg, PageAllocator(pages, setup.page_size, setup.caching))
+
+
+def run_alone(setup: Setup, request: Request) -> dict[int, list[int]]:
+    """Outputs of `request` alone on a pool too large to preempt, at the same context limit."""
+    limit = min(MAX_MODEL_LEN, setup.num_pages * setup.page_size)
+    s = make(dataclasses.replace(setup, max_num_seqs=4, budget=64), num_pages=256, max_model_len=limit)
+    s.add(dataclasses.replace(request))
+    out: dict[int, list[int]] = {}
+    for _ in range(500):
+        if not s.has_work():
+            return out
+        plan = s.schedule()
+        for e in s.update(plan, [SampledToken(c.seq_id, model(c.seq_id, c.start_pos + len(c.token_ids)))
+                                 for c in plan.chunks if c.sample]):
+            out.setdefault(e.sample_index, []).append(e.token_id)
+    raise AssertionError("run-alone did not finish")
+
+
+class Harness:
+    """Drives a Scheduler and keeps an independent shadow of what every sample has emitted."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        self.s = make(setup)
+        self.requests: dict[str, Request] = {}
+        self.outputs: dict[tuple[str, int], list[int]] = {}
+        self.terminal: dict[tuple[str, int], list[FinishReason]] = {}
+        self.cut: set[tuple[str, int]] = set()  # finish()ed by the caller: output may stop early
+
+    def submit(self, request: Request) -> None:
+        total = len(request.prompt_token_ids) + (request.params.max_tokens or 1)
+        limit = min(MAX_MODEL_LEN, self.setup.num_pages * self.setup.page_size)
+        fits = total <= limit and request.params.n <= self.setup.max_num_seqs
+        try:
+            self.s.add(request)
+        except ValueError:
+            assert not fits, f"rejected a request that fits: {request}"
+            return
+        assert fits, f"accepted a request that can never fit: {request}"
+        self.requests[request.request_id] = request
+        for i in range(request.params.n):
+            self.outputs[(request.request_id, i)] = []
+            self.terminal[(request.request_id, i)] = []
+
+    def finish(self, request_id: str, sample_index: int | None) -> None:
+        self.s.finish(request_id, sample_index)
+        n = self.requests[request_id].params.n
+        for i in range(n) if sample_index is None else [sample_index]:
+            if i < n:
+                self.cut.add((request_id, i))
+
+    def step(self) -> None:
+        s, alloc, ps = self.s, self.s.allocator, self.setup.page_size
+        plan = s.schedule()
+        alloc.check_invariants()
+        assert plan.num_tokens == sum(len(c.token_ids) for c in plan.chunks) <= self.setup.budget
+        assert s.stats().num_running <= self.setup.max_num_seqs
+        lengths = [len(c.token_ids) for c in plan.chunks]
+        assert lengths == sorted(lengths, key=lambda n: n != 1)  # 1-token chunks first
+        assert len({c.seq_id for c in plan.chunks}) == len(plan.chunks)
+        written: set[int] = set()
+        for c in plan.chunks:
+            key = (c.request.request_id, c.sample_index)
+            assert not self.terminal[key], f"{c.seq_id} scheduled after it finished"
+            full = c.request.prompt_token_ids + self.outputs[key]
+            end = c.start_pos + len(c.token_ids)
+            assert c.token_ids and c.token_ids == full[c.start_pos:end]
+            assert c.output_token_ids == self.outputs[key]
+            assert c.sample == (end == len(full))
+            assert c.page_table == alloc.page_table(c.seq_id) and len(c.page_table) == -(-end // ps)
+            for page in c.page_table[c.start_pos // ps:]:
+                assert alloc.ref_count(page) == 1, f"{c.seq_id} writes into shared page {page}"
+                assert page not in written
+                written.add(page)
+        dsts = [d for _, d in plan.copies]
+        assert len(set(dsts)) == len(dsts) and set(dsts) <= written
+        for e in plan.finished:
+            assert e.finish_reason is FinishReason.ABORT and e.token_id is None
+            self.terminal[(e.request_id, e.sample_index)].append(e.finish_reason)
+        sampled = [SampledToken(c.seq_id, model(c.seq_id, c.start_pos + len(c.token_ids)))
+                   for c in plan.chunks if c.sample]
+        events = s.update(plan, sampled)
+        alloc.check_invariants()
+        assert len(events) == len(sampled)
+        for e in events:
+            key = (e.request_id, e.sample_index)
+            assert not self.terminal[key], f"{key} emitted after its finish"
+            self.outputs[key].append(e.token_id)
+            if e.finish_reason is not None:
+                self.terminal[key].append(e.finish_reason)
+
+    def drain_and_check(self, max_steps: int = 3000) -> None:
+        for _ in range(max_steps):
+            if not self.s.has_work():
+                break
+            self.step()
+        assert not self.s.has_work(), "scheduler did not drain (livelock)"
+        alloc = self.s.allocator
+        assert alloc.num_free_pages == alloc.num_pages and not alloc._tables
+        for key, reasons in self.terminal.items():
+            assert len(reasons) <= 1, f"{key} finished {len(reasons)} times"
+            assert reasons or key in self.cut, f"{key} never finished"
+        for rid, request in self.requests.items():
+            alone = run_alone(self.setup, request)
+            for i in range(request.params.n):
+                key = (rid, i)
+                got, want = self.outputs[key], alone[i]
+                if key in self.cut or self.terminal[key] == [FinishReason.ABORT]:
+                    assert got == want[:len(got)], f"{key}: {got} is not a prefix of {want}"
+                else:
+                    assert got == want, f"{key}: {got} != run-alone {want}"
+
+
+setups = st.builds(
+    Setup, page_size=st.sampled_from([2, 4]), num_pages=st.integers(4, 14),
+    max_num_seqs=st.integers(1, 4), budget=st.integers(4, 20),
+    policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans())
+
+submit_ops = st.tuples(
+    st.just("submit"), st.integers(0, len(PREFIXES) - 1), st.integers(0, 16),
+    st.lists(st.integers(1, 39), max_size=8), st.one_of(st.none(), st.integers(1, 14)),
+    st.integers(1, 3), st.sampled_from([None, "tenant"]), st.integers(0, 2), st.integers(0, 2),
+    st.booleans())
+ops = st.lists(st.one_of(
+    submit_ops, submit_ops, submit_ops,  # weight: mostly submits and steps
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("finish"), st.integers(0, 50), st.one_of(st.none(), st.integers(0, 2))),
+    st.tuples(st.just("step"), st.integers(1, 4)), st.tuples(st.just("step"), st.integers(1, 4)),
+), min_size=4, max_size=40)
+
+
+def play(setup: Setup, operations: list[tuple]) -> Harness:
+    h = Harness(setup)
+    for k, op in enumerate(operations):
+        if op[0] == "submit":
+            _, prefix, plen, tail, max_tokens, n, salt, priority, min_tokens, ignore_eos = op
+            prompt = PREFIXES[prefix][:plen] + tail or [1]
+            min_tokens = min(min_tokens, max_tokens or min_tokens)
+            params = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos)
+            h.submit(Request(f"r{k}", prompt, params, eos_token_ids=frozenset({EOS}), priority=priority,
+                             cache_salt=salt, arrival_time=float(k)))
+        elif op[0] in ("abort", "finish") and h.requests:
+            rid = sorted(h.requests, key=lambda r: int(r[1:]))[op[1] % len(h.requests)]
+            if op[0] == "abort":
+                h.s.abort(rid)
+            else:
+                h.finish(rid, op[2])
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                h.step()
+    h.drain_and_check()
+    return h
+
+
+@settings(max_examples=70, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(setup=setups, operations=ops)
+def test_random_workloads_keep_every_invariant(setup: Setup, operations: list[tuple]) -> None:
+    play(setup, operations)
+
+
+def test_tiny_pool_preempts_and_outputs_still_match_run_alone():
+    setup = Setup(page_size=2, num_pages=8, max_num_seqs=4, budget=8, policy="fcfs", caching=True)
+    operations = [("submit", i % 3, 4, [i + 1, i + 2], 8, 1 + i % 2, None, 0, 0, True) for i in range(5)]
+    h = play(setup, operations)
+    assert h.s.stats().num_preemptions > 0
+    assert all(len(out) == 8 for out in h.outputs.values())  # ignore_eos: everyone runs to max_tokens

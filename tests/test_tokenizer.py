@@ -1,0 +1,128 @@
+"""Tokenizer wrapper over the real Qwen vocabulary of `jaxserve-tiny`."""
+
+import copy
+
+import pytest
+
+from jaxserve.default_model import ADDED_TOKENS, NUM_BPE_RANKS, QWEN2_SPLIT_PATTERN, ensure_default_model
+from jaxserve.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over 13 lazy dogs.",
+    "你好，世界。今天天气很好，我们去公园散步吧！龘靐齉爩",
+    "Emoji: 👨‍👩‍👧‍👦 🧑🏽‍💻 🏳️‍🌈 🇯🇵🇺🇸 👍🏽 — and a café naïve",
+    "def f(x: int) -> int:\n    return x ** 2  # 平方\n\n\tprint(f'{x!r}')\r\n",
+    "  leading spaces,   runs   of  spaces\n\n\nand 1234567890 digits",
+]
+
+
+@pytest.fixture(scope="session")
+def cache_root(tmp_path_factory):
+    return tmp_path_factory.getbasetemp() / "jaxserve_cache"
+
+
+@pytest.fixture(scope="module")
+def model_dir(cache_root):
+    return ensure_default_model(cache_root)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return Tokenizer.from_pretrained(model_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    assert all(0 <= i < NUM_BPE_RANKS for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_encoding_matches_tiktoken_with_the_qwen_ranks(tok):
+    # The rebuilt HF tokenizer must split text exactly as tiktoken does with the original ranks.
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    from jaxserve.default_model import _qwen_ranks_path
+
+    enc = tiktoken.Encoding("qwen-ref", pat_str=QWEN2_SPLIT_PATTERN,
+                            mergeable_ranks=load_tiktoken_bpe(str(_qwen_ranks_path())), special_tokens={})
+    for text in TEXTS + ["".join(TEXTS) * 3]:
+        assert tok.encode(text, add_special_tokens=False) == enc.encode_ordinary(text)
+
+
+def test_added_tokens_have_qwen3_ids_and_encode_as_one_token(tok):
+    for i, (content, _) in enumerate(ADDED_TOKENS):
+        assert tok.encode(content, add_special_tokens=False) == [NUM_BPE_RANKS + i]
+    assert tok.encode("<|im_start|>", add_special_tokens=False) == [151644]
+    assert tok.encode("<tool_call>", add_special_tokens=False) == [151657]
+    assert tok.encode("</think>", add_special_tokens=False) == [151668]
+    assert tok.vocab_size == NUM_BPE_RANKS + len(ADDED_TOKENS) == 151669
+    assert tok.convert_ids_to_tokens([151644, 9707, 220]) == ["<|im_start|>", "Hello", "Ġ"]
+
+
+def test_special_ids_eos_and_skipping(tok):
+    assert tok.eos_token_ids == frozenset({151645, 151643})
+    special = set(tok.all_special_ids)
+    assert {151643, 151644, 151645, 151656} <= special
+    assert 151667 not in special  # <think> is an added token but not special in Qwen3
+    ids = tok.encode("<|im_start|>assistant\nHi<think>x</think><|im_end|>", add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>assistant\nHi<think>x</think><|im_end|>"
+    assert tok.decode(ids, skip_special_tokens=True) == "assistant\nHi<think>x</think>"
+
+
+def test_chat_template_renders_chatml(tok):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say hi 👋"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": [{"type": "text", "text": "again"}, {"type": "text", "text": "!"}]},
+    ]
+    ids = tok.apply_chat_template(messages)
+    expected = ("<|im_start|>system\nYou are terse.<|im_end|>\n"
+                "<|im_start|>user\nSay hi 👋<|im_end|>\n"
+                "<|im_start|>assistant\nhi<|im_end|>\n"
+                "<|im_start|>user\nagain!<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    assert tok.decode(ids, skip_special_tokens=False) == expected
+    assert ids == tok.encode(expected, add_special_tokens=False)
+    assert ids.count(151644) == 5 and ids.count(151645) == 4  # markers are single special tokens
+    no_prompt = tok.apply_chat_template(messages[:2], add_generation_prompt=False)
+    assert tok.decode(no_prompt, skip_special_tokens=False).endswith("Say hi 👋<|im_end|>\n")
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([], "must not be empty"),
+        ("hello", "must be a list"),
+        ([{"content": "hi"}], r"messages\[0\] has no 'role'"),
+        ([{"role": "user"}], r"messages\[0\] has no 'content'"),
+        ([{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}], r"messages\[1\] has unknown role 'wizard'"),
+        ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be a string"),
+        ([{"role": "user", "content": None}], r"messages\[0\]\.content is null"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], r"messages\[0\]\.content\[0\] must be a text part"),
+        (["hi"], r"messages\[0\] must be an object"),
+    ],
+)
+def test_malformed_messages_raise_clear_value_errors(tok, messages, match):
+    with pytest.raises(ValueError, match=match):
+        tok.apply_chat_template(messages)
+
+
+def test_model_without_chat_template_raises(tok):
+    # The same tokenizer minus its template (a shallow copy: loading a second one costs seconds).
+    bare_hf = copy.copy(tok.hf)
+    bare_hf.chat_template = None
+    bare = Tokenizer(bare_hf)
+    assert bare.encode("hi", add_special_tokens=False) == [6023]
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.has_chat_template  # the shared one is untouched
+
+
+def test_missing_model_dir_and_bad_text_raise(tmp_path, tok):
+    with pytest.raises(ValueError, match="does not exist"):
+        Tokenizer.from_pretrained(tmp_path / "nope")
+    with pytest.raises(ValueError, match="must be a str"):
+        tok.encode(b"bytes")
