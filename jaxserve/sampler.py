@@ -7,10 +7,10 @@ the row bucket R, the logits width V, and the width H of the per-row token table
 Pipeline per row (the contract's order):
   vocab padding columns (>= vocab_size) -> -inf
   logit bias -> repetition penalty -> presence/frequency penalties      (one gather/scatter of H)
-  temperature (rows with temperature 0 are greedy and use 1 here)
-  -> logprobs = log_softmax of these processed logits: the distribution BEFORE top-k/top-p/min-p
-     truncation (vLLM's "processed_logprobs" minus the truncation), for the chosen token and a
-     sorted top-20
+  temperature (rows with temperature 0 -- or below 1e-5, set to 0 by from_rows -- are greedy and
+  use 1 here; top_k >= vocab_size is stored as 0 = off)
+  -> logprobs = log_softmax of these processed logits: the distribution AFTER penalties and
+     temperature but BEFORE top-k/top-p/min-p truncation, for the chosen token and a sorted top-20
   top-k, then top-p renormalised over the top-k set, then min-p (relative to the max probability)
   -> Gumbel-max sample with the row's key; greedy rows take the argmax of the processed logits.
 
@@ -32,10 +32,11 @@ distinct-id count is bounded by the context length plus the bias/stop limits, an
 Top-k / top-p without a sort (V is 151,936 for Qwen): the k-th largest logit and the top-p cutoff
 are both "the largest threshold T whose kept mass (count, or probability) still reaches the
 target". We find T exactly by building it bit by bit over an order-preserving uint32 key of the
-float logits: 32 passes, each a fused compare+select+row-sum reading [R, V] once (~R*V*4 bytes per
-pass, e.g. 256 rows: ~155 MB, ~35 us on an H200; ~1.1 ms for the whole search), versus a
-segmented sort of R rows of 151,936 (bitonic on GPU/TPU: O(V log^2 V) per row) or a large
-`lax.top_k`. Each search runs under `lax.cond` only when some row in the batch enables it, so
+float logits: 32 passes, each a fused compare+select+row-sum reading [R, V] once (R*V*4 bytes per
+pass; 256 rows of 151,936 is ~155 MB, so a memory-bound estimate is ~1-2 ms per search on an
+H200 -- not yet measured), versus a segmented sort of R rows of 151,936 (bitonic on GPU/TPU:
+O(V log^2 V) per row) or a `lax.top_k` with a large k (which falls back to a sort). Each search
+runs under `lax.cond` only when some row in the batch enables it, so
 batches without top-k/top-p pay nothing. Ties at the threshold are all kept (as transformers'
 `logits < kth_value` masking does). Gumbel noise costs R*V threefry draws; the top-20 logprobs
 (`lax.top_k`, k=20) also run under `lax.cond`, only when some row asked for alternatives.
@@ -79,8 +80,8 @@ class SamplerOutput(NamedTuple):
 def history_buckets(max_model_len: int, vocab_size: int | None = None) -> list[int]:
     """Every token-table width H that `from_rows` can produce for this model (0 = no table).
 
-    The model runner precompiles these (times its row buckets). The largest bucket covers a row whose
-    whole context is distinct tokens plus a full logit_bias and the stop/EOS ids.
+    The model runner precompiles these (times its row buckets). The largest bucket covers a row
+    whose whole context is distinct tokens plus a full logit_bias and the stop/EOS ids.
     """
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -108,7 +109,7 @@ def _seed_words(seed: int) -> tuple[int, int]:
 
 
 def _row_table(row: SamplingRow, vocab_size: int) -> tuple[np.ndarray, ...] | None:
-    """Sorted distinct ids and, per id, (output count, seen in prompt+output, bias); None if empty."""
+    """Sorted distinct ids and per id (output count, seen in prompt+output, bias); None if none."""
     p = row.params
     use_rep = p.repetition_penalty != 1.0
     use_pf = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
@@ -170,7 +171,7 @@ class SamplingTensors(NamedTuple):
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow | tuple], num_rows: int,
                   vocab_size: int) -> "SamplingTensors":
-        """Host-side (numpy) build; rows past len(rows) are neutral padding (greedy, no penalties)."""
+        """Host-side (numpy) build; rows past len(rows) are neutral padding (greedy, no penalty)."""
         if len(rows) > num_rows:
             raise ValueError(f"{len(rows)} sampling rows do not fit the row bucket {num_rows}")
         rows = [r if isinstance(r, SamplingRow) else SamplingRow(*r) for r in rows]
@@ -330,7 +331,8 @@ def sample(logits: jax.Array, tensors: SamplingTensors, vocab_size: int) -> Samp
     logprobs = jax.nn.log_softmax(x, axis=1)
     greedy_ids = jnp.argmax(x, axis=1)
     masked = jnp.where(_truncation_mask(x, tensors), x, -jnp.inf)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (x.shape[1],), jnp.float32))(_row_keys(tensors))
+    noise = lambda key: jax.random.gumbel(key, (x.shape[1],), jnp.float32)  # noqa: E731
+    gumbel = jax.vmap(noise)(_row_keys(tensors))                                   # [R, V]
     sampled_ids = jnp.argmax(masked + gumbel, axis=1)
     token_ids = jnp.where(tensors.temperature > 0, sampled_ids, greedy_ids).astype(jnp.int32)
     chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=1)[:, 0]

@@ -73,7 +73,8 @@ class SamplingParams:
         if self.logit_bias is None:
             return
         if not isinstance(self.logit_bias, dict):
-            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            raise ValueError(
+                f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(
                 f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
@@ -88,17 +89,20 @@ class SamplingParams:
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+            raise ValueError(
+                f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if not isinstance(self.stop_token_ids, list):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
                              f"got {len(self.stop_token_ids)}")
         for tok in self.stop_token_ids:
             if not _is_int(tok) or not 0 <= tok < vocab_size:
-                raise ValueError(f"stop_token_ids entry {tok!r} is not a token id in [0, {vocab_size})")
+                raise ValueError(
+                    f"stop_token_ids entry {tok!r} is not a token id in [0, {vocab_size})")
 
 
 def _is_int(x: object) -> bool:

@@ -177,6 +177,9 @@ class Scheduler:
     # ---- the step (engine thread) --------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        """Plans the next step: applies queued aborts/finishes, then decodes, prefill continuations
+        and admissions in that order (see the module docstring). Scheduled tokens count as computed
+        from here on; their full pages enter the prefix cache in update()."""
         st = _Step(StepPlan(), self.config.max_num_batched_tokens)
         with self._lock:
             incoming, self._incoming = self._incoming, []

@@ -55,7 +55,7 @@ SHORT_TEXTS = {
     "chinese_rare": "龘靐齉爩鱻",                    # 9 tokens, characters split across tokens
     "cjk_ext_b": "𠀋𪚥 饕餮",                        # 4-byte characters
     "emoji_zwj_flags": "🧑🏽‍💻🏳️‍🌈🇺🇳",            # ZWJ sequences, skin tone, flags
-    "code_mixed": "x = {'键': \"值\"}  # 注释 ✓\n",
+    "code_mixed": "d={'键':1} # 平方✓\n",
 }
 
 

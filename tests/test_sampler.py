@@ -25,7 +25,8 @@ def _logits(seed: int = 0, rows: int = R, width: int = WIDTH, vocab: int = VOCAB
 
 
 def _processed_row(logits_row, params, prompt=(), output=(), eos=frozenset()):
-    t = SamplingTensors.from_rows([SamplingRow(params, 0, list(prompt), list(output), eos)], R, VOCAB)
+    row = SamplingRow(params, 0, list(prompt), list(output), eos)
+    t = SamplingTensors.from_rows([row], R, VOCAB)
     x = np.zeros((R, WIDTH), np.float32)
     x[0] = logits_row
     return np.asarray(PROCESS(x, t, vocab_size=VOCAB))[0]
@@ -197,7 +198,8 @@ def test_row_key_is_fold_in_of_seed_key_and_output_count():
 class _CompileCounter:
     """Counts jaxpr traces and backend compiles (jax.monitoring events) inside a `with` block."""
 
-    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+              "/jax/core/compile/backend_compile_duration")
 
     def __enter__(self):
         self.count = 0
@@ -255,7 +257,8 @@ def test_from_rows_padding_rows_are_neutral_and_table_skipped_without_penalties(
                         42, [1, 2], [3])]
     t = SamplingTensors.from_rows(rows, 4, VOCAB)
     assert not t.needs_history and t.table_ids.shape == (4, 0)
-    np.testing.assert_array_equal(t.temperature, [np.float32(0.9), 0, 0, 0])  # padding rows are greedy
+    # padding rows are greedy
+    np.testing.assert_array_equal(t.temperature, [np.float32(0.9), 0, 0, 0])
     np.testing.assert_array_equal(t.top_k, [4, 0, 0, 0])
     np.testing.assert_array_equal(t.top_p, [0.5, 1, 1, 1])
     np.testing.assert_array_equal(t.min_p, [np.float32(0.1), 0, 0, 0])

@@ -1,5 +1,6 @@
 """GPU (Triton) kernel == reference. CPU runs use the Pallas interpreter at tiny shapes;
 `gpu`-marked tests compile the real kernel at serving sizes."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,39 +33,28 @@ def _check(case, *, dtype=jnp.float32, rtol=1e-5, interpret=True, kernel_kw=None
     return out
 
 
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_gpu_mixed_batch_matches_reference(group):
+# One compile per scenario (the interpreter compiles slowly), each covering several properties.
+SCENARIOS = {
+    "gqa1_decode": dict(seqs=DECODE, group=1),
+    "gqa2_chunks": dict(seqs=CHUNKS, group=2),
+    "gqa4_mixed_padding": dict(seqs=MIXED, group=4, max_seqs=7, extra_rows=3),
+    "gqa8_mixed_window": dict(seqs=MIXED, group=8, max_seqs=6, kw=dict(sliding_window=5)),
+    "gqa3_default_blocks_soft_cap": dict(seqs=MIXED, group=3, max_seqs=6, extra_rows=1,
+                                         blocks={}, kw=dict(soft_cap=2.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_gpu_matches_reference(name):
+    sc = SCENARIOS[name]
     rng = np.random.default_rng()
-    case = make_case(rng, MIXED, num_q_heads=2 * group, max_seqs=7, extra_rows=3, **SMALL)
-    out = _check(case, kernel_kw=BLOCKS)
+    case = make_case(rng, sc["seqs"], num_q_heads=2 * sc["group"],
+                     max_seqs=sc.get("max_seqs", len(sc["seqs"]) + 1),
+                     extra_rows=sc.get("extra_rows", 0), **SMALL)
+    if "soft_cap" in sc.get("kw", {}):
+        case.q *= 4.0  # large logits, so the cap matters
+    out = _check(case, kernel_kw=sc.get("blocks", BLOCKS), **sc.get("kw", {}))
     assert np.all(out[case.num_live_rows:] == 0.0)
-
-
-@pytest.mark.parametrize("seqs", [DECODE, CHUNKS], ids=["decode", "chunks"])
-def test_gpu_decode_and_chunked_prefill_match_reference(seqs):
-    rng = np.random.default_rng()
-    case = make_case(rng, seqs, num_q_heads=4, max_seqs=len(seqs) + 1, **SMALL)
-    _check(case, kernel_kw=BLOCKS)
-
-
-def test_gpu_default_blocks_and_odd_group_match_reference():
-    rng = np.random.default_rng()
-    # 6 q heads over 2 kv heads: the group of 3 is padded to 4 inside the kernel.
-    case = make_case(rng, MIXED, num_q_heads=6, max_seqs=6, extra_rows=1, **SMALL)
-    _check(case)
-
-
-def test_gpu_sliding_window_matches_reference():
-    rng = np.random.default_rng()
-    case = make_case(rng, MIXED, num_q_heads=4, max_seqs=7, **SMALL)
-    _check(case, kernel_kw=BLOCKS, sliding_window=5)
-
-
-def test_gpu_soft_cap_matches_reference():
-    rng = np.random.default_rng()
-    case = make_case(rng, MIXED, num_q_heads=4, max_seqs=7, **SMALL)
-    case.q *= 4.0  # large logits, so the cap matters
-    _check(case, kernel_kw=BLOCKS, soft_cap=2.0)
 
 
 def test_gpu_bf16_matches_reference():
@@ -75,9 +65,10 @@ def test_gpu_bf16_matches_reference():
 
 def test_gpu_ignores_nan_outside_live_slots():
     seed = int(np.random.default_rng().integers(1 << 31))
-    kw = dict(num_q_heads=4, max_seqs=7, extra_rows=3, **SMALL)
+    kw = dict(num_q_heads=8, max_seqs=7, extra_rows=3, **SMALL)  # same shapes as gqa4_mixed_padding
     clean = make_case(np.random.default_rng(seed), MIXED, **kw)
     poisoned = make_case(np.random.default_rng(seed), MIXED, poison=True, **kw)
+    assert np.isnan(poisoned.v_pages).any()
     out_clean = _check(clean, kernel_kw=BLOCKS)
     out_poisoned = _check(poisoned, kernel_kw=BLOCKS)
     np.testing.assert_array_equal(out_poisoned, out_clean)
@@ -86,7 +77,8 @@ def test_gpu_ignores_nan_outside_live_slots():
 def test_work_items_tile_every_live_row_once():
     cu = jnp.array([0, 1, 6, 6, 9, 9], jnp.int32)  # q_lens 1, 5, 0, 3; one padding seq
     seq_lens = jnp.array([4, 8, 2, 3, 0], jnp.int32)
-    seq, row, n, pos = map(np.asarray, work_items(
+    items = jax.jit(work_items, static_argnames=("block_q", "num_items"))
+    seq, row, n, pos = map(np.asarray, items(
         cu, seq_lens, jnp.array([4], jnp.int32), block_q=2, num_items=-(-9 // 2) + 5))
     covered = [r for s, r0, k in zip(seq, row, n) for r in range(r0, r0 + k)]
     assert sorted(covered) == list(range(9))

@@ -1,0 +1,237 @@
+"""The engine: scheduler -> step inputs -> model runner -> scheduler, one step at a time.
+
+`EngineCore` is the synchronous step loop (used directly by the offline `LLM` API and tests).
+`Engine` runs an `EngineCore` on one background thread and delivers each request's TokenEvents to
+an asyncio queue on the caller's event loop (`call_soon_threadsafe`). Nothing here decodes text:
+detokenization and stop strings happen on the consumer's side, which calls `finish()` when a stop
+string ends a sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import threading
+import time
+from typing import Any, AsyncIterator, Callable
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.model.weights import Weights
+from jaxserve.model_runner import ModelRunner
+from jaxserve.page_allocator import PageAllocator
+from jaxserve.request import FinishReason, Request, TokenEvent
+from jaxserve.scheduler import SampledToken, Scheduler, SchedulerStats, StepPlan
+from jaxserve.sampler import SamplerOutput
+
+logger = logging.getLogger("jaxserve.engine")
+
+
+@dataclasses.dataclass
+class StepTimings:
+    """Seconds spent in the last steps' phases (host scheduling, input building, device, update)."""
+
+    schedule: float = 0.0
+    build: float = 0.0
+    device: float = 0.0
+    update: float = 0.0
+    steps: int = 0
+
+
+class EngineCore:
+    def __init__(self, model_cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh,
+                 dtype: Any = jnp.float32) -> None:
+        self.model_cfg = model_cfg
+        self.engine_cfg = engine_cfg
+        self.runner = ModelRunner(model_cfg, weights, engine_cfg, mesh, dtype)
+        self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
+                                       engine_cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(dataclasses.replace(engine_cfg, num_kv_pages=self.runner.num_pages),
+                                   self.allocator)
+        self._rng = random.Random(engine_cfg.seed)
+        self.timings = StepTimings()
+        self.num_prefill_tokens = 0   # prompt tokens computed (prefix-cache hits excluded)
+        self.num_generated_tokens = 0
+
+    @property
+    def num_kv_pages(self) -> int:
+        return self.runner.num_pages
+
+    def add_request(self, request: Request) -> Request:
+        """Validates and queues a request; raises ValueError naming the problem. Every request gets
+        a seed (a random one when it has none), so every sample row is reproducible."""
+        params = request.params
+        params.validate(self.model_cfg.vocab_size)
+        if any(t >= self.model_cfg.vocab_size for t in request.prompt_token_ids):
+            raise ValueError(f"prompt_token_ids contain ids outside the vocabulary (size {self.model_cfg.vocab_size})")
+        if params.seed is None:
+            request = dataclasses.replace(request, params=dataclasses.replace(params, seed=self._rng.getrandbits(62)))
+        if params.ignore_eos:
+            request = dataclasses.replace(request, eos_token_ids=frozenset())
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def finish(self, request_id: str, sample_index: int | None = None) -> None:
+        self.scheduler.finish(request_id, sample_index)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def step(self) -> list[TokenEvent]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        events = list(plan.finished)
+        if plan.chunks:
+            inputs = self.runner.builder.build(plan)
+            t2 = time.perf_counter()
+            out = ModelRunner.fetch(self.runner.step(inputs))
+            t3 = time.perf_counter()
+            events += self.scheduler.update(plan, _sampled_tokens(plan, out))
+            t4 = time.perf_counter()
+            self.num_prefill_tokens += sum(max(0, min(len(c.token_ids), len(c.request.prompt_token_ids) - c.start_pos))
+                                           for c in plan.chunks)
+            self.num_generated_tokens += inputs.num_samples
+            tm = self.timings
+            tm.schedule += t1 - t0
+            tm.build += t2 - t1
+            tm.device += t3 - t2
+            tm.update += t4 - t3
+            tm.steps += 1
+        return events
+
+
+def _sampled_tokens(plan: StepPlan, out: SamplerOutput) -> list[SampledToken]:
+    sampled = []
+    row = 0
+    for chunk in plan.chunks:
+        if not chunk.sample:
+            continue
+        want = chunk.request.params.logprobs
+        top = None
+        if want:
+            top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[row, :want], out.top_logprobs[row, :want])]
+        logprob = float(out.logprobs[row]) if want is not None else None
+        sampled.append(SampledToken(chunk.seq_id, int(out.token_ids[row]), logprob, top))
+        row += 1
+    return sampled
+
+
+class RequestStream:
+    """The consumer's view of one request: TokenEvents as they are produced."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.loop = loop
+        self._open = request.params.n         # samples not yet finished, as the consumer sees them
+        self.engine_open = request.params.n   # samples not yet finished, as the engine thread sees them
+
+    def deliver(self, event: TokenEvent) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        while self._open:
+            event = await self.queue.get()
+            if event.finish_reason is not None:
+                self._open -= 1
+            yield event
+
+
+class Engine:
+    """EngineCore on a background thread, with asyncio delivery of events."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.on_step: Callable[[list[TokenEvent]], None] | None = None  # metrics hook
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.core.stats().num_waiting
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queues the request (raises ValueError if it can never run) and returns its stream."""
+        if self.error is not None:
+            raise RuntimeError(f"engine stopped after an error: {self.error}")
+        stream = RequestStream(request, asyncio.get_running_loop())
+        with self._lock:
+            if request.request_id in self._streams:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            self._streams[request.request_id] = stream
+        try:
+            stream.request = self.core.add_request(request)
+        except Exception:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            raise
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+        self._wake.set()
+
+    def finish(self, request_id: str, sample_index: int | None = None) -> None:
+        self.core.finish(request_id, sample_index)
+        self._wake.set()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                if not self.core.has_work():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                events = self.core.step()
+                self._deliver(events)
+                if self.on_step is not None:
+                    self.on_step(events)
+        except BaseException as e:  # the loop must not die silently: fail every open stream
+            logger.exception("engine loop failed")
+            self.error = e
+            with self._lock:
+                streams = list(self._streams.values())
+                self._streams.clear()
+            for stream in streams:
+                for i in range(stream.request.params.n):
+                    stream.deliver(TokenEvent(stream.request.request_id, i, None, None, None,
+                                              FinishReason.ABORT, len(stream.request.prompt_token_ids), 0))
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            with self._lock:
+                stream = self._streams.get(event.request_id)
+            if stream is None:
+                continue
+            stream.deliver(event)
+            if event.finish_reason is not None:
+                stream.engine_open -= 1
+                if stream.engine_open == 0:
+                    with self._lock:
+                        self._streams.pop(event.request_id, None)

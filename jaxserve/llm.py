@@ -1,0 +1,152 @@
+"""Loading a model into an engine, and the offline batch API (`LLM.generate`).
+
+`load_engine_core` is the one path from a model name to a warmed-up EngineCore: the server, the
+CLI and `LLM` all go through it. `LLM.generate` drives the same EngineCore synchronously and
+detokenizes with the same incremental detokenizer the server streams with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from checkpoints import load_model, resolve_model_dir
+from jaxserve.config import EngineConfig
+from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.engine import EngineCore
+from jaxserve.request import FinishReason, Request
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.sharding import make_mesh
+from jaxserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("jaxserve")
+
+
+def default_model_dir() -> Path:
+    from jaxserve.default_model import ensure_default_model
+    return ensure_default_model()
+
+
+def resolve_dtype(requested: str | None, checkpoint_dtype: str) -> Any:
+    """float32 on CPU (bf16 matmuls are slow there), else the checkpoint's dtype; "auto" = None."""
+    if requested in (None, "auto"):
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.dtype(checkpoint_dtype)
+    try:
+        return jnp.dtype({"fp32": "float32", "bf16": "bfloat16", "half": "float16"}.get(requested, requested))
+    except TypeError:
+        raise ValueError(f"unknown dtype {requested!r}; use float32, bfloat16 or float16") from None
+
+
+def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
+                     progress: Callable[[int, int, str], None] | None = None, warmup: bool = True
+                     ) -> tuple[EngineCore, Tokenizer, Path]:
+    """Model dir (None: the embedded default) -> (warmed-up EngineCore, tokenizer, resolved dir)."""
+    model_dir = resolve_model_dir(model) if model is not None else default_model_dir()
+    if engine_cfg.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(engine_cfg.compilation_cache_dir))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    from jaxserve.config import ModelConfig
+    dtype = resolve_dtype(engine_cfg.dtype, ModelConfig.from_hf(model_dir).dtype)
+    mesh = make_mesh(*engine_cfg.mesh_shape)
+    model_cfg, weights = load_model(model_dir, mesh, dtype)
+    if engine_cfg.max_model_len > model_cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {engine_cfg.max_model_len} exceeds the model's "
+                         f"max_position_embeddings {model_cfg.max_position_embeddings}")
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    core = EngineCore(model_cfg, weights, engine_cfg, mesh, dtype)
+    if warmup:
+        core.runner.warmup(progress)
+    return core, tokenizer, model_dir
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[float] | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_prompt_tokens: int = 0
+
+
+class LLM:
+    """Offline generation: `LLM(model=DIR).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | Path | None = None, **engine_kwargs: Any) -> None:
+        model_id = str(model) if model is not None else "jaxserve-tiny"
+        self.engine_cfg = EngineConfig(model_id=model_id, **engine_kwargs)
+        self.core, self.tokenizer, self.model_dir = load_engine_core(model, self.engine_cfg)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Runs every prompt (text or token ids) through the continuous-batching engine."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        states: dict[str, _OfflineRequest] = {}
+        order = []
+        for prompt, params in zip(prompts, sampling_params):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = uuid.uuid4().hex
+            request = self.core.add_request(Request(rid, ids, params, self.tokenizer.eos_token_ids))
+            states[rid] = _OfflineRequest(request, self.tokenizer)
+            order.append(rid)
+        while self.core.has_work():
+            for event in self.core.step():
+                state = states[event.request_id]
+                if state.on_event(event):  # a stop string ended this sample
+                    self.core.finish(event.request_id, event.sample_index)
+        return [states[rid].output() for rid in order]
+
+
+class _OfflineRequest:
+    def __init__(self, request: Request, tokenizer: Tokenizer) -> None:
+        self.request = request
+        p = request.params
+        self.detok = [IncrementalDetokenizer(tokenizer, request.prompt_token_ids, p.skip_special_tokens, p.stop)
+                      for _ in range(p.n)]
+        self.text = [""] * p.n
+        self.ids: list[list[int]] = [[] for _ in range(p.n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(p.n)]
+        self.finish: list[str | None] = [None] * p.n
+        self.cached = 0
+
+    def on_event(self, event) -> bool:
+        i = event.sample_index
+        if self.finish[i] is not None:
+            return False  # tokens sampled after a stop string, in the step that was in flight
+        self.cached = event.num_cached_prompt_tokens
+        if event.token_id is not None:
+            self.ids[i].append(event.token_id)
+            if event.logprob is not None:
+                self.logprobs[i].append(event.logprob)
+            result = self.detok[i].push([event.token_id])
+            self.text[i] += result.delta
+            if result.stopped:
+                self.finish[i] = FinishReason.STOP.value
+                return True
+        if event.finish_reason is not None:
+            self.text[i] += self.detok[i].flush()
+            self.finish[i] = event.finish_reason.value
+        return False
+
+    def output(self) -> RequestOutput:
+        outs = [CompletionOutput(i, self.text[i], self.ids[i], self.finish[i] or "abort",
+                                 self.logprobs[i] if self.request.params.logprobs is not None else None)
+                for i in range(self.request.params.n)]
+        return RequestOutput(self.request.request_id, self.request.prompt_token_ids, outs, self.cached)

@@ -1,0 +1,34 @@
+"""The ragged paged forward: one flat batch of new tokens attending over the donated KV pages.
+
+Each layer writes its new K/V into the pool at `slot_mapping` and then runs ragged paged attention
+over the sequences' page tables. Logits are computed only for `logits_index` rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+from jaxserve import kv_cache
+from jaxserve.config import ModelConfig
+from jaxserve.model.transformer import forward
+from jaxserve.model.weights import Weights
+
+
+def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arrays: Any,
+                  attention_fn: Callable[..., jax.Array]) -> tuple[jax.Array, kv_cache.KVPages]:
+    """arrays: a StepArrays of device arrays. Returns (logits [S, Vp] float32, updated pages)."""
+    scale = cfg.head_dim ** -0.5
+    seq_len_per_token = arrays.seq_lens[arrays.token_seq]
+
+    def attend(i, q, k, v, layer_kv):
+        k_pages, v_pages = kv_cache.write(*layer_kv, k, v, arrays.slot_mapping)
+        out = attention_fn(q, k_pages, v_pages, arrays.seq_lens, arrays.cu_q_lens, arrays.page_tables,
+                           arrays.num_seqs, sm_scale=scale, sliding_window=cfg.layer_windows[i])
+        return out, (k_pages, v_pages)
+
+    logits, layers = forward(weights, cfg, arrays.token_ids, arrays.positions, attend,
+                             list(zip(kv.k, kv.v)), logits_index=arrays.logits_index,
+                             seq_lens_per_token=seq_len_per_token)
+    return logits, kv_cache.KVPages(k=[k for k, _ in layers], v=[v for _, v in layers])

@@ -1,0 +1,174 @@
+"""Owns the weights, the KV pages and the mesh; compiles every declared bucket; runs steps.
+
+A step is two jitted programs dispatched back to back without a host sync:
+  forward (bucket T x S): embed -> layers over the donated KV pages -> logits for the S sample rows
+  sample  (bucket S x H): penalties/temperature/top-k/top-p/min-p -> token ids, logprobs
+Splitting them keeps the compiled-program count additive (|T x S| + |S x H|) instead of
+multiplicative, while the KV pool still never leaves the device and is never copied.
+
+Compilation is counted through jax.monitoring: after `warmup()` every new compilation is logged
+as an error and counted in `compilations_after_warmup` (a metric and a test assertion).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from functools import partial
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxserve import kv_cache, sharding
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.model.paged import forward_paged
+from jaxserve.model.weights import Weights
+from jaxserve.sampler import SamplerOutput, SamplingTensors, history_buckets, sample
+from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs
+
+logger = logging.getLogger("jaxserve.model_runner")
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts XLA backend compilations process-wide (jax.monitoring has no unregister, so one
+    listener is installed once and runners read deltas)."""
+
+    _lock = threading.Lock()
+    _count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if not cls._installed:
+                def on_event(event: str, duration: float, **kwargs: Any) -> None:
+                    if event == _COMPILE_EVENT:
+                        with cls._lock:
+                            cls._count += 1
+                jax.monitoring.register_event_duration_secs_listener(on_event)
+                cls._installed = True
+
+    @classmethod
+    def count(cls) -> int:
+        return cls._count
+
+
+def _attention_fn(name: str) -> Callable[..., jax.Array]:
+    from kernels_pallas import get_attention_backend
+    return get_attention_backend(name)
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh,
+                 dtype: Any = jnp.float32) -> None:
+        CompileCounter.install()
+        self.model_cfg = model_cfg
+        self.engine_cfg = engine_cfg
+        self.mesh = mesh
+        self.weights = weights
+        self.dtype = jnp.dtype(dtype)
+        num_pages = engine_cfg.num_kv_pages or kv_cache.pages_for_memory(
+            model_cfg, engine_cfg.page_size, self.dtype, engine_cfg.kv_cache_memory)
+        self.kv = kv_cache.allocate(model_cfg, num_pages, engine_cfg.page_size, self.dtype, mesh)
+        self.num_pages = num_pages
+        self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size)
+        self.history_buckets = history_buckets(engine_cfg.max_model_len, model_cfg.vocab_size)
+        self._replicated = sharding.replicated(mesh)
+        attention = _attention_fn(engine_cfg.attention_backend)
+        self._forward = jax.jit(partial(forward_paged, cfg=model_cfg, attention_fn=attention),
+                                donate_argnames=("kv",))
+        self._sample = jax.jit(partial(sample, vocab_size=model_cfg.vocab_size))
+        self._copy = jax.jit(kv_cache.copy_pages, donate_argnums=(0,))
+        self.warmed_up = False
+        self._compiles_at_warmup = 0
+        self.compilations_after_warmup = 0
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _put(self, tree: Any) -> Any:
+        return jax.device_put(tree, self._replicated)
+
+    def step(self, inputs: StepInputs) -> SamplerOutput:
+        """Dispatches one step; returns device arrays (no host sync). Call `fetch` for numpy."""
+        before = CompileCounter.count()
+        if len(inputs.copies):
+            self.kv = self._copy(self.kv, *self._put(self._pad_copies(inputs.copies)))
+        logits, self.kv = self._forward(self.weights, kv=self.kv, arrays=self._put(inputs.arrays))
+        out = self._sample(logits, self._put(inputs.sampling))
+        for leaf in out:
+            leaf.copy_to_host_async()
+        if self.warmed_up and CompileCounter.count() != before:
+            new = CompileCounter.count() - before
+            self.compilations_after_warmup += new
+            logger.error("%d compilation(s) after warm-up for step shape T=%d S=%d H=%d: a bucket is "
+                         "missing from warm-up", new, inputs.arrays.token_ids.shape[0],
+                         inputs.arrays.seq_lens.shape[0], inputs.sampling.table_ids.shape[1])
+        return out
+
+    @staticmethod
+    def fetch(out: SamplerOutput) -> SamplerOutput:
+        return SamplerOutput(*jax.device_get(tuple(out)))
+
+    def _pad_copies(self, copies: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) padded to max_num_seqs entries; padding targets an out-of-bounds page."""
+        width = self.engine_cfg.max_num_seqs
+        if len(copies) > width:
+            raise ValueError(f"{len(copies)} page copies in one step exceed max_num_seqs={width}")
+        src = np.zeros(width, np.int32)
+        dst = np.full(width, self.num_pages, np.int32)
+        src[: len(copies)], dst[: len(copies)] = copies[:, 0], copies[:, 1]
+        return src, dst
+
+    # -- warm-up -------------------------------------------------------------------------------
+
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> float:
+        """Compiles and runs every declared shape once; returns seconds taken."""
+        start = time.perf_counter()
+        buckets = self.builder.buckets
+        seq_buckets = sorted({s for _, s in buckets})
+        total = len(buckets) + len(seq_buckets) * len(self.history_buckets) + 1
+        done = 0
+
+        def tick(what: str) -> None:
+            nonlocal done
+            done += 1
+            if progress:
+                progress(done, total, what)
+
+        logits_by_rows = {}  # real forward outputs, so the sampler sees the shardings steps will give it
+        for t, s in buckets:
+            arrays = _dummy_arrays(t, s, self.engine_cfg.max_pages_per_seq, self.num_pages * self.engine_cfg.page_size)
+            logits_by_rows[s], self.kv = self._forward(self.weights, kv=self.kv, arrays=self._put(arrays))
+            tick(f"forward T={t} S={s}")
+        for s in seq_buckets:
+            for h in self.history_buckets:
+                tensors = _dummy_sampling(s, h)
+                jax.block_until_ready(self._sample(logits_by_rows[s], self._put(tensors)))
+                tick(f"sample S={s} H={h}")
+        self.kv = self._copy(self.kv, *self._put(self._pad_copies(np.zeros((0, 2), np.int32))))
+        jax.block_until_ready(self.kv.k[0])
+        tick("page copy")
+        self.warmed_up = True
+        self._compiles_at_warmup = CompileCounter.count()
+        seconds = time.perf_counter() - start
+        logger.info("warm-up compiled %d programs in %.1fs", total, seconds)
+        return seconds
+
+
+def _dummy_arrays(t: int, s: int, max_pages: int, pad_slot: int) -> StepArrays:
+    """A bucket-shaped step that writes nothing (every slot is padding) and has no live sequence."""
+    z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    return StepArrays(z(t), z(t), z(t), np.full(t, pad_slot, np.int32), z(s + 1), z(s), z(s, max_pages),
+                      z(1), z(s))
+
+
+def _dummy_sampling(s: int, h: int) -> SamplingTensors:
+    base = SamplingTensors.from_rows([], s, 1)
+    return base._replace(table_ids=np.full((s, h), -1, np.int32), table_output_counts=np.zeros((s, h), np.int32),
+                         table_seen=np.zeros((s, h), bool), table_bias=np.zeros((s, h), np.float32))
