@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 REPLACEMENT = "\ufffd"
 # Prompt tokens decoded ahead of the first output token (for SentencePiece leading spaces).

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -64,6 +63,14 @@ def _attention_fn(name: str) -> Callable[..., jax.Array]:
     return get_attention_backend(name)
 
 
+# Module-level jits: runners of the same model config share compiled programs (the cache key is
+# the static config plus the input shapes and shardings), so a second engine on the same model
+# and buckets starts without compiling.
+_forward_step = jax.jit(forward_paged, static_argnames=("cfg", "attention_fn"), donate_argnames=("kv",))
+_sample_step = jax.jit(sample, static_argnames=("vocab_size",))
+_copy_step = jax.jit(kv_cache.copy_pages, donate_argnums=(0,))
+
+
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh,
                  dtype: Any = jnp.float32) -> None:
@@ -80,11 +87,7 @@ class ModelRunner:
         self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size)
         self.history_buckets = history_buckets(engine_cfg.max_model_len, model_cfg.vocab_size)
         self._replicated = sharding.replicated(mesh)
-        attention = _attention_fn(engine_cfg.attention_backend)
-        self._forward = jax.jit(partial(forward_paged, cfg=model_cfg, attention_fn=attention),
-                                donate_argnames=("kv",))
-        self._sample = jax.jit(partial(sample, vocab_size=model_cfg.vocab_size))
-        self._copy = jax.jit(kv_cache.copy_pages, donate_argnums=(0,))
+        self._attention = _attention_fn(engine_cfg.attention_backend)
         self.warmed_up = False
         self._compiles_at_warmup = 0
         self.compilations_after_warmup = 0
@@ -98,9 +101,9 @@ class ModelRunner:
         """Dispatches one step; returns device arrays (no host sync). Call `fetch` for numpy."""
         before = CompileCounter.count()
         if len(inputs.copies):
-            self.kv = self._copy(self.kv, *self._put(self._pad_copies(inputs.copies)))
-        logits, self.kv = self._forward(self.weights, kv=self.kv, arrays=self._put(inputs.arrays))
-        out = self._sample(logits, self._put(inputs.sampling))
+            self.kv = _copy_step(self.kv, *self._put(self._pad_copies(inputs.copies)))
+        logits, self.kv = self._forward(inputs.arrays)
+        out = self._sample(logits, inputs.sampling)
         for leaf in out:
             leaf.copy_to_host_async()
         if self.warmed_up and CompileCounter.count() != before:
@@ -110,6 +113,13 @@ class ModelRunner:
                          "missing from warm-up", new, inputs.arrays.token_ids.shape[0],
                          inputs.arrays.seq_lens.shape[0], inputs.sampling.table_ids.shape[1])
         return out
+
+    def _forward(self, arrays: StepArrays) -> tuple[jax.Array, kv_cache.KVPages]:
+        return _forward_step(self.weights, kv=self.kv, arrays=self._put(arrays), cfg=self.model_cfg,
+                             attention_fn=self._attention)
+
+    def _sample(self, logits: jax.Array, tensors: SamplingTensors) -> SamplerOutput:
+        return _sample_step(logits, self._put(tensors), vocab_size=self.model_cfg.vocab_size)
 
     @staticmethod
     def fetch(out: SamplerOutput) -> SamplerOutput:
@@ -144,14 +154,14 @@ class ModelRunner:
         logits_by_rows = {}  # real forward outputs, so the sampler sees the shardings steps will give it
         for t, s in buckets:
             arrays = _dummy_arrays(t, s, self.engine_cfg.max_pages_per_seq, self.num_pages * self.engine_cfg.page_size)
-            logits_by_rows[s], self.kv = self._forward(self.weights, kv=self.kv, arrays=self._put(arrays))
+            logits_by_rows[s], self.kv = self._forward(arrays)
             tick(f"forward T={t} S={s}")
         for s in seq_buckets:
             for h in self.history_buckets:
                 tensors = _dummy_sampling(s, h)
-                jax.block_until_ready(self._sample(logits_by_rows[s], self._put(tensors)))
+                jax.block_until_ready(self._sample(logits_by_rows[s], tensors))
                 tick(f"sample S={s} H={h}")
-        self.kv = self._copy(self.kv, *self._put(self._pad_copies(np.zeros((0, 2), np.int32))))
+        self.kv = _copy_step(self.kv, *self._put(self._pad_copies(np.zeros((0, 2), np.int32))))
         jax.block_until_ready(self.kv.k[0])
         tick("page copy")
         self.warmed_up = True

@@ -302,7 +302,7 @@ class Scheduler:
                 self._running.append(seq)
             for seq in unit:
                 if seq.fork_pending:
-                    continue  # the leader's fork (below) is not due yet
+                    continue  # not forked yet: the leader is still prefilling the prompt
                 self._maybe_fork(seq)
                 self._schedule_seq(seq, st, allow_preempt=False)
 

@@ -320,6 +320,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torch-threads", type=int, help="torch intra-op threads for hf-static and hf-serve (default: torch's)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to become healthy")
     p.add_argument("--timeout", type=float, default=1800.0, help="bound on each load-generator run, seconds")
     p.add_argument("--docs", type=Path, help="markdown file to update (default docs/BENCHMARKS.md; none in --smoke)")
@@ -362,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     # One prompt set for every system: text, so that `transformers serve` (text only) gets the same input.
     prompts = bs.build_prompts(base, bs.load_tokenizer(str(model_dir)))
+    if a.torch_threads:
+        import torch
+
+        torch.set_num_threads(a.torch_threads)
 
     systems: list[System] = []
     with contextlib.ExitStack() as stack:
@@ -384,8 +389,9 @@ def main(argv: list[str] | None = None) -> int:
                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
             # `transformers serve` rejects unknown fields (ignore_eos): its own generation_config forces the length.
             cfg = replace(base, base_url=f"http://127.0.0.1:{port}", length_control="hf_generation_config")
+            hf_env = dict(env, OMP_NUM_THREADS=str(a.torch_threads)) if a.torch_threads else env
             s = System("transformers serve --continuous-batching", ServerSystem(
-                stack, cmd, port, "/health", cfg, prompts, a.log_dir / "transformers_serve.log", a.start_timeout, env))
+                stack, cmd, port, "/health", cfg, prompts, a.log_dir / "transformers_serve.log", a.start_timeout, hf_env))
             if importlib.util.find_spec("fastapi") is None:
                 s.error = "`transformers serve` needs fastapi, which is not installed"
             systems.append(s)

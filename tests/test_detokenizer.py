@@ -233,11 +233,13 @@ def test_held_prefix_is_released_when_it_is_not_a_stop(tok):
 
 
 def test_earliest_stop_wins_and_pushes_after_stop_are_ignored(tok):
-    ids = tok.encode("alpha beta gamma", add_special_tokens=False)
-    deltas, results, rest, d = run_stop(tok, [ids], ["gamma", "beta"])
-    assert "".join(deltas) + rest == "alpha "
-    assert d.stop_str == "beta"
-    assert d.push(tok.encode("more", add_special_tokens=False)).delta == ""
+    d = IncrementalDetokenizer(tok, PROMPT, stop=["gamma", "beta"])
+    r = d.push(tok.encode("alpha beta gamma", add_special_tokens=False))
+    assert (r.delta, r.stopped, r.stop_str) == ("alpha ", True, "beta")
+    # Tokens sampled after the stop (already in flight) produce nothing.
+    r2 = d.push(tok.encode(" more", add_special_tokens=False))
+    assert (r2.delta, r2.stopped, r2.stop_str) == ("", True, "beta")
+    assert d.flush() == ""
 
 
 def test_stop_found_in_flushed_text(tok):

@@ -196,6 +196,23 @@ def test_priority_policy_preempts_the_lowest_priority():
     assert preempted and set(preempted) == {"low#0"}
 
 
+def test_a_step_that_preempts_admits_nobody():
+    s = make(num_pages=5, page_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64,
+             scheduling_policy="priority")
+    s.add(req("a", [1, 2, 3, 4], max_tokens=12, priority=0))
+    s.add(req("b", [5, 6, 7, 8], max_tokens=8, priority=5))
+    step(s)
+    s.add(req("c", [9, 10], max_tokens=2, priority=0))  # waits: max_num_seqs is 2
+    for _ in range(20):
+        plan, _ = step(s)
+        if plan.preempted:
+            break
+    assert plan.preempted == ["b#0"]
+    assert sorted(c.seq_id for c in plan.chunks) == ["a#0"]  # c (which would fit) waits a step
+    plan, _ = step(s)
+    assert "c#0" in [c.seq_id for c in plan.chunks]
+
+
 # ---- abort / finish -------------------------------------------------------------------------------
 
 def test_abort_frees_pages_but_shared_prefix_pages_stay_for_the_other_request():
@@ -291,6 +308,22 @@ def test_n_samples_prefill_the_prompt_once_and_share_its_pages():
     for i in range(3):
         assert len(tokens_of(out[("a", i)])) == 2  # + the first one above = max_tokens
     assert alloc.num_free_pages == 16
+
+
+def test_removing_sample_0_before_the_fork_hands_the_prefill_to_a_sibling():
+    s = make(num_pages=16, page_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    prompt = list(range(1, 22))
+    s.add(req("a", prompt, max_tokens=3, n=3))
+    plan, _ = step(s)
+    assert [(c.seq_id, c.start_pos, len(c.token_ids)) for c in plan.chunks] == [("a#0", 0, 8)]
+    s.finish("a", sample_index=0)
+    plan, _ = step(s)
+    # sample 1 takes over sample 0's pages and continues where it stopped
+    assert [(c.seq_id, c.start_pos, len(c.token_ids)) for c in plan.chunks] == [("a#1", 8, 8)]
+    out = run_all(s)
+    assert sorted(out) == [("a", 1), ("a", 2)]
+    assert all(len(tokens_of(out[k])) == 3 and out[k][-1].finish_reason is FinishReason.LENGTH for k in out)
+    assert s.allocator.num_free_pages == 16
 
 
 def test_n_samples_with_prompt_ending_on_a_page_boundary_need_no_copy():

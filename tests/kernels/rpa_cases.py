@@ -34,6 +34,17 @@ class Case:
         return int(self.cu_q_lens[int(self.num_seqs[0])])
 
 
+def fresh_seed() -> int:
+    """A new random seed each run, printed so a failure can be replayed."""
+    seed = int(np.random.SeedSequence().entropy % (1 << 63))
+    print(f"rpa_cases seed={seed}")
+    return seed
+
+
+def fresh_rng() -> np.random.Generator:
+    return np.random.default_rng(fresh_seed())
+
+
 def make_case(
     rng: np.random.Generator,
     seqs: list[tuple[int, int]],  # (q_len, seq_len) per live sequence

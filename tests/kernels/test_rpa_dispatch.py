@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import make_case
+from rpa_cases import fresh_rng, make_case
 
 import kernels_pallas
 from kernels_pallas import (
@@ -21,7 +21,7 @@ ALL = [ragged_paged_attention_reference, ragged_paged_attention_tpu, ragged_page
 
 
 def _case():
-    return make_case(np.random.default_rng(), MIXED, num_q_heads=8, max_seqs=7, extra_rows=3,
+    return make_case(fresh_rng(), MIXED, num_q_heads=8, max_seqs=7, extra_rows=3,
                      **SMALL)
 
 
@@ -89,7 +89,7 @@ def test_wrappers_reject_bad_arguments(fn, name):
 
 
 def test_gpu_wrapper_rejects_unsupported_sizes():
-    case = make_case(np.random.default_rng(), MIXED, num_q_heads=4, num_kv_heads=2, head_dim=24,
+    case = make_case(fresh_rng(), MIXED, num_q_heads=4, num_kv_heads=2, head_dim=24,
                      page_size=4)
     with pytest.raises(ValueError, match="head_dim=24"):
         ragged_paged_attention_gpu(*case.args(), sm_scale=1.0)
@@ -104,7 +104,7 @@ def test_gpu_wrapper_rejects_unsupported_sizes():
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_kernel_lowers_for_its_backend_at_serving_sizes(platform, dtype):
     """Traces the non-interpreted kernel through Pallas' Triton / Mosaic lowering (no device)."""
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     case = make_case(rng, [(1, 300), (1, 17), (70, 140), (5, 1024)], num_q_heads=32,
                      num_kv_heads=8, head_dim=128, page_size=16, max_seqs=8, extra_rows=9)
     fn = ragged_paged_attention_gpu if platform == "cuda" else ragged_paged_attention_tpu

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import assert_close, make_case
+from rpa_cases import assert_close, fresh_rng, fresh_seed, make_case
 
 from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu, work_items
 from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
@@ -47,7 +47,7 @@ SCENARIOS = {
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_gpu_matches_reference(name):
     sc = SCENARIOS[name]
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     case = make_case(rng, sc["seqs"], num_q_heads=2 * sc["group"],
                      max_seqs=sc.get("max_seqs", len(sc["seqs"]) + 1),
                      extra_rows=sc.get("extra_rows", 0), **SMALL)
@@ -58,13 +58,13 @@ def test_gpu_matches_reference(name):
 
 
 def test_gpu_bf16_matches_reference():
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     case = make_case(rng, MIXED, num_q_heads=4, max_seqs=7, extra_rows=2, **SMALL)
     _check(case, dtype=jnp.bfloat16, rtol=1e-2, kernel_kw=BLOCKS)
 
 
 def test_gpu_ignores_nan_outside_live_slots():
-    seed = int(np.random.default_rng().integers(1 << 31))
+    seed = fresh_seed()
     kw = dict(num_q_heads=8, max_seqs=7, extra_rows=3, **SMALL)  # same shapes as gqa4_mixed_padding
     clean = make_case(np.random.default_rng(seed), MIXED, **kw)
     poisoned = make_case(np.random.default_rng(seed), MIXED, poison=True, **kw)
@@ -99,7 +99,7 @@ GPU_DIMS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
     ids=["plain", "sliding_window", "soft_cap"],
 )
 def test_gpu_device_mixed_batch_matches_reference(dtype, rtol, kw):
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     seqs = [(1, int(n)) for n in rng.integers(1, 1500, 12)] + [(200, 700), (64, 64), (33, 1025)]
     case = make_case(rng, seqs, max_seqs=20, extra_rows=5, spare_pages=40, poison=True,
                      **GPU_DIMS)
@@ -109,7 +109,7 @@ def test_gpu_device_mixed_batch_matches_reference(dtype, rtol, kw):
 
 @pytest.mark.gpu
 def test_gpu_device_decode_batch_matches_reference():
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     seqs = [(1, int(n)) for n in rng.integers(1, 4096, 32)]
     case = make_case(rng, seqs, max_seqs=32, spare_pages=16, **GPU_DIMS)
     _check(case, dtype=jnp.bfloat16, rtol=1e-2, interpret=False)

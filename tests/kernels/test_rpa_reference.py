@@ -2,7 +2,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import assert_close, make_case, numpy_oracle
+from rpa_cases import assert_close, fresh_rng, fresh_seed, make_case, numpy_oracle
 
 from kernels_pallas.ragged_paged_attention_reference import (
     ragged_paged_attention_reference,
@@ -29,7 +29,7 @@ def _run(case, dtype=jnp.float32, **kw):
     ids=["one_chunk", "sliding_window_chunked", "soft_cap"],
 )
 def test_reference_matches_numpy_oracle(kw):
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     case = make_case(rng, MIXED, max_seqs=7, extra_rows=2, **DIMS)
     out = np.asarray(_run(case, **kw))
     oracle_kw = {k: v for k, v in kw.items() if k != "chunk_pages"}
@@ -37,7 +37,7 @@ def test_reference_matches_numpy_oracle(kw):
 
 
 def test_reference_padding_rows_are_finite_zero_and_padding_seqs_ignored():
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     case = make_case(rng, MIXED, max_seqs=7, extra_rows=2, **DIMS)
     # Garbage in the padding sequences' metadata must not matter.
     case.seq_lens[5:] = 999
@@ -50,8 +50,7 @@ def test_reference_padding_rows_are_finite_zero_and_padding_seqs_ignored():
 
 
 def test_reference_ignores_nan_outside_live_slots():
-    rng = np.random.default_rng()
-    seed = int(rng.integers(1 << 31))
+    seed = fresh_seed()
     clean = make_case(np.random.default_rng(seed), MIXED, max_seqs=7, extra_rows=2, **DIMS)
     poisoned = make_case(np.random.default_rng(seed), MIXED, max_seqs=7, extra_rows=2, poison=True,
                          **DIMS)
@@ -64,7 +63,7 @@ def test_reference_ignores_nan_outside_live_slots():
 
 
 def test_reference_bf16_close_to_oracle():
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     case = make_case(rng, MIXED, max_seqs=7, extra_rows=2, **DIMS)
     out = _run(case, jnp.bfloat16)
     assert out.dtype == jnp.bfloat16

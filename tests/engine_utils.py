@@ -1,0 +1,48 @@
+"""Shared helpers for engine-level tests: a tiny HF model, an EngineCore on it, a run-to-completion loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from checkpoints import load_model
+from hf_models import make_hf_model
+from jaxserve.config import EngineConfig
+from jaxserve.engine import EngineCore
+from jaxserve.request import Request
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.sharding import make_mesh
+
+SMALL_ENGINE = dict(page_size=4, num_kv_pages=96, max_num_seqs=8, max_num_batched_tokens=32,
+                    max_model_len=96, token_buckets=(8, 32), seq_buckets=(8,))
+
+
+def tiny_model(directory: Path, variant: str = "qwen3-qknorm", **overrides: Any):
+    path, hf_model = make_hf_model(variant, directory, **overrides)
+    cfg, weights = load_model(path, make_mesh(1, 1))
+    return cfg, weights, hf_model
+
+
+def make_core(cfg, weights, mesh=None, **engine_overrides: Any) -> EngineCore:
+    ecfg = EngineConfig(**{**SMALL_ENGINE, **engine_overrides})
+    core = EngineCore(cfg, weights, ecfg, mesh or make_mesh(1, 1))
+    core.runner.warmup()
+    return core
+
+
+def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def run_all(core: EngineCore, requests: list[Request], on_step=None) -> dict[str, dict[int, list[int]]]:
+    """Adds the requests, steps until idle; returns request_id -> sample_index -> token ids."""
+    for r in requests:
+        core.add_request(r)
+    out: dict[str, dict[int, list[int]]] = {}
+    while core.has_work():
+        for e in core.step():
+            if e.token_id is not None:
+                out.setdefault(e.request_id, {}).setdefault(e.sample_index, []).append(e.token_id)
+        if on_step is not None:
+            on_step()
+    return out
