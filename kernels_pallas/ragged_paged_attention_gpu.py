@@ -58,7 +58,7 @@ def _kernel(
     pages_per_block: int,
 ):
     _, _, group_p, head_dim = q_ref.shape
-    _, page_size, _, _ = k_ref.shape
+    num_pages, page_size, _, _ = k_ref.shape
     rows = block_q * group_p
     block_kv = pages_per_block * page_size
     w = pl.program_id(0)
@@ -89,7 +89,8 @@ def _kernel(
             m, l, acc = carry  # [rows], [rows], [rows, D]
             page_idx = kb * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
             pages = tables_ref[s, pl.ds(kb * pages_per_block, pages_per_block)]  # [NPB]
-            pages = jnp.where(page_idx < num_seq_pages, pages, 0)
+            # Entries past the sequence's pages are never read; clip so no id becomes a wild pointer.
+            pages = jnp.clip(jnp.where(page_idx < num_seq_pages, pages, 0), 0, num_pages - 1)
             # Pointer gather [NPB, ps, D]: every axis indexed by a broadcast array, which both
             # the Triton lowering and the interpreter accept.
             shape3 = (pages_per_block, page_size, head_dim)

@@ -6,7 +6,8 @@ gathering for each row only the pages of its own sequence.
 
 Memory: one chunk holds K and V gathered per row, `2 * T * chunk_pages * page_size * KVH * D`
 float32 values, plus the `[T, H, chunk]` logits. `chunk_pages` is chosen statically so that one
-gathered K chunk stays under `_CHUNK_BYTES` (32 MiB); the running state is `[T, H, D]` float32.
+gathered K chunk stays under `_CHUNK_BYTES` (32 MiB) unless a single page is already larger; peak
+use is a few times that (K and V, their float32 casts); the running state is `[T, H, D]` float32.
 Compute is `T * ceil(max_len / chunk) * chunk * H * D` multiply-adds: every row walks the chunks
 up to the longest live sequence (the loop trip count is dynamic, so short batches stop early).
 """

@@ -13,9 +13,12 @@ Layout and schedule:
   * online softmax in float32 scratch (m, l lane-replicated to 128, acc [KVH, BQ*G, D]); a row
     only changes while its own sequence is walked, because every other row is fully masked.
 
-Tested on CPU through the TPU interpreter (`interpret=True`); the real-TPU path follows the
-Mosaic rules as documented (block last-two dims (8,128)-aligned or full; scalar reads from
-SMEM) but has not been compiled on a TPU in this project yet.
+Tested on CPU through the TPU interpreter (`interpret=True`) and through Pallas' Mosaic lowering
+(`lowering_platforms=("tpu",)`); it has not been compiled by libtpu yet. The one construct most
+likely to need rework there is the per-head read `k_buf[slot, :, :, h, :]`: with the pinned
+[P, ps, KVH, D] page layout one head is a single sublane row of each [KVH, D] tile, which Mosaic
+must relayout into a dense [NPB*ps, D] operand. If it refuses, fetch per (page, head) into a
+head-major buffer, or move the KV cache to a head-major / K-V-interleaved layout.
 """
 from __future__ import annotations
 

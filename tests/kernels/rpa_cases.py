@@ -104,6 +104,14 @@ def make_case(
     )
 
 
+def scramble_padding(case: Case) -> None:
+    """Garbage metadata in the padding sequences (past num_seqs), which no backend may read."""
+    n = int(case.num_seqs[0])
+    case.seq_lens[n:] = 10_000
+    case.cu_q_lens[n + 1:] = np.arange(len(case.cu_q_lens) - n - 1, 0, -1)
+    case.page_tables[n:] = -7
+
+
 def numpy_oracle(
     case: Case, *, sliding_window: int | None = None, soft_cap: float | None = None,
     dtype=np.float32,

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import assert_close, fresh_rng, fresh_seed, make_case
+from rpa_cases import assert_close, fresh_rng, fresh_seed, make_case, scramble_padding
 
 from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu, work_items
 from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
@@ -51,6 +51,8 @@ def test_gpu_matches_reference(name):
     case = make_case(rng, sc["seqs"], num_q_heads=2 * sc["group"],
                      max_seqs=sc.get("max_seqs", len(sc["seqs"]) + 1),
                      extra_rows=sc.get("extra_rows", 0), **SMALL)
+    if sc.get("max_seqs", 0) > len(sc["seqs"]):
+        scramble_padding(case)
     if "soft_cap" in sc.get("kw", {}):
         case.q *= 4.0  # large logits, so the cap matters
     out = _check(case, kernel_kw=sc.get("blocks", BLOCKS), **sc.get("kw", {}))

@@ -2,7 +2,14 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import assert_close, fresh_rng, fresh_seed, make_case, numpy_oracle
+from rpa_cases import (
+    assert_close,
+    fresh_rng,
+    fresh_seed,
+    make_case,
+    numpy_oracle,
+    scramble_padding,
+)
 
 from kernels_pallas.ragged_paged_attention_reference import (
     ragged_paged_attention_reference,
@@ -39,9 +46,7 @@ def test_reference_matches_numpy_oracle(kw):
 def test_reference_padding_rows_are_finite_zero_and_padding_seqs_ignored():
     rng = fresh_rng()
     case = make_case(rng, MIXED, max_seqs=7, extra_rows=2, **DIMS)
-    # Garbage in the padding sequences' metadata must not matter.
-    case.seq_lens[5:] = 999
-    case.cu_q_lens[6:] = [1, 0]
+    scramble_padding(case)  # garbage in the padding sequences' metadata must not matter
     out = np.asarray(_run(case))
     live = case.num_live_rows
     assert np.all(np.isfinite(out))

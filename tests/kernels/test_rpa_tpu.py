@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import assert_close, fresh_rng, make_case
+from rpa_cases import assert_close, fresh_rng, make_case, scramble_padding
 
 from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention_tpu import ragged_paged_attention_tpu
@@ -32,6 +32,7 @@ def test_tpu_mixed_batch_with_poison_and_padding_matches_reference():
     # fetch runs across kv blocks and across sequences.
     rng = fresh_rng()
     case = make_case(rng, MIXED, num_q_heads=8, max_seqs=7, extra_rows=3, poison=True, **SMALL)
+    scramble_padding(case)
     out = _check(case, kernel_kw=dict(block_q=4, pages_per_block=1))
     assert np.all(out[case.num_live_rows:] == 0.0)
 

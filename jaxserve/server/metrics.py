@@ -1,0 +1,175 @@
+"""Prometheus metrics, one private CollectorRegistry per app; every name starts with `jaxserve:`.
+
+Latencies are observed where they happen: per-request histograms on the asyncio side as events are
+consumed (`RequestMetrics`), queue time on the engine thread (`on_step`), and engine state (running,
+waiting, KV pages, prefix cache, preemptions, compilations) read from the EngineCore at scrape time,
+so gauges are never stale.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger("jaxserve.server")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        reg, labels = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(f"jaxserve:{name}", doc, labels, registry=reg, buckets=buckets).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"jaxserve:{name}", doc, labels, registry=reg).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", _LATENCY_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds",
+                         "Per sample: (last token - first token) / (tokens - 1).", _TOKEN_GAP_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Gap between consecutive tokens of a sample.",
+                        _TOKEN_GAP_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to the last sample's finish.", _REQUEST_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds",
+                               "Arrival to the start of the engine step that produced the first token "
+                               "(includes earlier chunks of a chunked prefill).", _REQUEST_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached prefill.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens delivered to clients.")
+        success = Counter("jaxserve:request_success", "Finished samples by finish reason.",
+                          ["model_name", "finished_reason"], registry=reg)
+        self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        self._engine = _EngineCollector(model_name)
+        reg.register(self._engine)
+        self._awaiting_first: dict[str, float] = {}  # request id -> arrival (monotonic); engine thread pops
+        self._timings_seen = 0.0
+        self._core: Any = None
+
+    def attach(self, core: Any) -> None:
+        """Starts reporting the engine state of `core` (an EngineCore)."""
+        self._engine.core = core
+        self._core = core
+        t = core.timings
+        self._timings_seen = t.schedule + t.build + t.device + t.update
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def request_started(self, request_id: str, arrival: float) -> None:
+        self._awaiting_first[request_id] = arrival
+
+    def request_ended(self, request_id: str) -> None:
+        self._awaiting_first.pop(request_id, None)
+
+    def on_step(self, events: list) -> None:
+        """Engine-thread hook: queue time of requests whose first token this step produced. Never
+        raises (an exception here would stop the engine loop)."""
+        try:
+            t = self._core.timings
+            total = t.schedule + t.build + t.device + t.update
+            step_start = time.monotonic() - (total - self._timings_seen)
+            self._timings_seen = total
+            for ev in events:
+                arrival = self._awaiting_first.pop(ev.request_id, None)
+                if arrival is not None and ev.token_id is not None:
+                    self.queue_time.observe(max(0.0, step_start - arrival))
+        except Exception:
+            logger.exception("metrics on_step hook failed")
+
+
+class RequestMetrics:
+    """Latency bookkeeping for one engine request with n samples (asyncio side)."""
+
+    def __init__(self, metrics: ServerMetrics | None, request_id: str, arrival: float, n: int) -> None:
+        self.m = metrics
+        self.request_id = request_id
+        self.arrival = arrival
+        self.first_token: float | None = None
+        self.sample_first: list[float | None] = [None] * n
+        self.sample_last: list[float | None] = [None] * n
+        self.sample_tokens = [0] * n
+        if metrics is not None:
+            metrics.request_started(request_id, arrival)
+
+    def token(self, sample: int, num_prompt_tokens: int) -> None:
+        now = time.monotonic()
+        m = self.m
+        if self.first_token is None:
+            self.first_token = now
+            if m is not None:
+                m.ttft.observe(now - self.arrival)
+                m.prompt_tokens.inc(num_prompt_tokens)
+        last = self.sample_last[sample]
+        if last is None:
+            self.sample_first[sample] = now
+        elif m is not None:
+            m.itl.observe(now - last)
+        self.sample_last[sample] = now
+        self.sample_tokens[sample] += 1
+        if m is not None:
+            m.generation_tokens.inc()
+
+    def finished(self, sample: int, reason: str) -> None:
+        if self.m is not None:
+            self.m.success.get(reason, self.m.success["abort"]).inc()
+        first, last, k = self.sample_first[sample], self.sample_last[sample], self.sample_tokens[sample]
+        if self.m is not None and first is not None and last is not None and k > 1:
+            self.m.tpot.observe((last - first) / (k - 1))
+
+    def ended(self) -> None:
+        if self.m is not None:
+            self.m.e2e.observe(time.monotonic() - self.arrival)
+            self.m.request_ended(self.request_id)
+
+
+class _EngineCollector(Collector):
+    """Engine state at scrape time: scheduler stats, KV pages, compile count."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.core: Any = None
+
+    def collect(self) -> Iterable[Metric]:
+        core = self.core
+        if core is None:
+            return []
+        s = core.stats()
+        used = s.num_total_pages - s.num_free_pages
+        labels = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            g = GaugeMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            c = CounterMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        return [
+            gauge("num_requests_running", "Sequences (samples) in the running batch.", s.num_running),
+            gauge("num_requests_waiting", "Sequences (samples) waiting for admission.", s.num_waiting),
+            gauge("kv_cache_usage_perc", "Fraction (0..1) of KV pages held by sequences; evictable "
+                  "prefix-cache pages count as free.", used / max(1, s.num_total_pages)),
+            gauge("num_kv_pages_used", "KV pages held by sequences.", used),
+            gauge("num_kv_pages_total", "KV pages in the pool.", s.num_total_pages),
+            counter("num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions),
+            counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits),
+            counter("compilations_after_warmup", "XLA compilations after warm-up (should stay 0).",
+                    core.runner.compilations_after_warmup),
+        ]

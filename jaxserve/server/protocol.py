@@ -1,0 +1,338 @@
+"""Request validation for /v1/completions and /v1/chat/completions.
+
+A JSON body becomes a `GenerationRequest` (token ids per prompt + SamplingParams) or an
+`APIError(400)` that names the offending field. Nothing malformed gets past this module: types are
+checked here, ranges by `SamplingParams.validate`, lengths against the engine's max_model_len.
+Unknown fields are ignored (as vLLM does), except features we do not implement (tools, echo, ...),
+which are refused rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Literal, Protocol
+
+from jaxserve.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from jaxserve.server.errors import bad_request
+
+MAX_PROMPTS = 128              # prompts in one /v1/completions list
+MAX_CACHE_SALT_CHARS = 1024
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
+                                       "return_dict", "return_tensors", "tools", "documents"})
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True, **kw: Any) -> list[int]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelContext:
+    """What validation needs to know about the served model."""
+
+    served_model_names: tuple[str, ...]
+    max_model_len: int
+    vocab_size: int             # the model's embedding rows: valid token ids are [0, vocab_size)
+    tokenizer: TokenizerLike
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    kind: Literal["completion", "chat"]
+    model: str
+    prompts: list[list[int]]    # one engine request per prompt; each samples params.n choices
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+    cache_salt: str | None
+    include_stop_str_in_output: bool
+
+
+# ---------------------------------------------------------------- body -> JSON object
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Strict UTF-8 JSON object: no NaN/Infinity literals, no lone surrogates, bounded nesting."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"request body is not valid UTF-8 (byte {e.start})") from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise bad_request("request body nests JSON too deeply") from None
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, integers over 4300 digits
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(obj).__name__}")
+    try:  # "\ud800" escapes decode to lone surrogates, which no tokenizer can take
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("request body contains an unpaired UTF-16 surrogate escape") from None
+    except RecursionError:
+        raise bad_request("request body nests JSON too deeply") from None
+    return obj
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+# ---------------------------------------------------------------- typed field readers
+
+
+def _int(body: dict, name: str, default: Any = None, lo: int | None = None, hi: int | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{name}' must be an integer, got {_show(value)}", name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise bad_request(f"'{name}' must be in [{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}], "
+                          f"got {value}", name)
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"'{name}' must be a number, got {_show(value)}", name)
+    if isinstance(value, int) and abs(value) > 2**53:  # float() of a 400-digit int overflows
+        raise bad_request(f"'{name}' is out of range", name)
+    value = float(value)
+    if not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a finite number", name)
+    return value
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be a boolean, got {_show(value)}", name)
+    return value
+
+
+def _str(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"'{name}' must be a string, got {_show(value)}", name)
+    return value
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=True, default=str)
+    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad_request("'stop' must be a string or a list of strings", "stop")
+    return value
+
+
+def _token_list(value: Any, name: str, vocab_size: int, allow_empty: bool = False) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise bad_request(f"'{name}' must be a list of integer token ids", name)
+    if not value and not allow_empty:
+        raise bad_request(f"'{name}' must not be empty", name)
+    bad = next((t for t in value if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"'{name}' holds token id {bad}, outside the vocabulary [0, {vocab_size})", name)
+    return value
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise bad_request(f"'logit_bias' key {key!r} is not an integer token id", "logit_bias") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise bad_request(f"'logit_bias' value for {key!r} must be a number", "logit_bias")
+        out[tok] = float(bias)
+    return out
+
+
+def _refuse(body: dict, name: str, allowed: tuple = (None,), why: str = "is not supported") -> None:
+    if body.get(name) not in allowed:
+        raise bad_request(f"'{name}' {why}", name)
+
+
+# ---------------------------------------------------------------- shared request parts
+
+
+def _model(body: dict, ctx: ModelContext) -> str:
+    model = _str(body, "model")
+    if model is None:
+        return ctx.served_model_names[0]
+    if model not in ctx.served_model_names:
+        raise bad_request(f"model {model!r} is not served here; available: {', '.join(ctx.served_model_names)}",
+                          "model", "model_not_found")
+    return model
+
+
+def _sampling(body: dict, ctx: ModelContext, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    stop_token_ids = body.get("stop_token_ids")
+    params = SamplingParams(
+        n=_int(body, "n", 1),
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        top_k=_int(body, "top_k", -1),
+        min_p=_number(body, "min_p", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        logit_bias=_logit_bias(body),
+        seed=_int(body, "seed", None, INT64_MIN, INT64_MAX),
+        max_tokens=max_tokens,
+        min_tokens=_int(body, "min_tokens", 0),
+        stop=_stop(body),
+        stop_token_ids=[] if stop_token_ids is None else _token_list(stop_token_ids, "stop_token_ids",
+                                                                    ctx.vocab_size, allow_empty=True),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        logprobs=logprobs,
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+    )
+    try:
+        params.validate(ctx.vocab_size)
+    except ValueError as e:  # messages start with the field name
+        field = str(e).split(" ", 1)[0].strip("'")
+        raise bad_request(str(e), field) from None
+    return params
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    if not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    return stream, _bool(options, "include_usage", False)
+
+
+def _check_lengths(prompts: list[list[int]], max_tokens: int | None, ctx: ModelContext, param: str) -> None:
+    for ids in prompts:
+        if max_tokens is None:
+            if len(ids) >= ctx.max_model_len:
+                raise bad_request(f"prompt has {len(ids)} tokens, which leaves no room for output within "
+                                  f"max_model_len {ctx.max_model_len}", param, "context_length_exceeded")
+        elif len(ids) + max_tokens > ctx.max_model_len:
+            raise bad_request(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
+                              f"exceeds max_model_len ({ctx.max_model_len})", param, "context_length_exceeded")
+
+
+def _finish(kind: Literal["completion", "chat"], body: dict, ctx: ModelContext, prompts: list[list[int]],
+            max_tokens: int | None, logprobs: int | None, max_tokens_name: str) -> GenerationRequest:
+    model = _model(body, ctx)
+    params = _sampling(body, ctx, max_tokens, logprobs)
+    stream, include_usage = _stream_flags(body)
+    _str(body, "user")
+    salt = _str(body, "cache_salt")
+    if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise bad_request(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+                          "cache_salt")
+    _check_lengths(prompts, max_tokens, ctx, max_tokens_name)
+    return GenerationRequest(kind, model, prompts, params, stream, include_usage,
+                             priority=_int(body, "priority", 0, INT64_MIN, INT64_MAX), cache_salt=salt,
+                             include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False))
+
+
+# ---------------------------------------------------------------- the two endpoints
+
+
+def parse_completion(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
+    """A /v1/completions body -> GenerationRequest (raises APIError(400) naming the field)."""
+    _refuse(body, "echo", (None, False), "= true is not supported")
+    _refuse(body, "suffix", (None, ""))
+    _refuse(body, "best_of", (None, 1), "> 1 is not supported")
+    if "max_tokens" in body and body["max_tokens"] is None:
+        max_tokens = None  # explicit null: up to the context limit
+    else:
+        max_tokens = _int(body, "max_tokens", 16, 1)  # OpenAI's default for completions
+    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    prompts = _completion_prompts(body, ctx)
+    return _finish("completion", body, ctx, prompts, max_tokens, logprobs, "max_tokens")
+
+
+def _completion_prompts(body: dict, ctx: ModelContext) -> list[list[int]]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad_request("'prompt' is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        items = [prompt]  # one prompt given as token ids
+    elif isinstance(prompt, list) and prompt:
+        items = prompt
+    else:
+        raise bad_request("'prompt' must be a non-empty string, list of strings, list of token ids or list "
+                          "of token-id lists", "prompt")
+    if len(items) > MAX_PROMPTS:
+        raise bad_request(f"'prompt' holds {len(items)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("'prompt' must not be an empty string", "prompt")
+            out.append(ctx.tokenizer.encode(item))
+        else:
+            out.append(_token_list(item, "prompt", ctx.vocab_size))
+        if not out[-1]:
+            raise bad_request("'prompt' encodes to zero tokens", "prompt")
+    return out
+
+
+def parse_chat(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
+    """A /v1/chat/completions body -> GenerationRequest (raises APIError(400) naming the field)."""
+    if body.get("tools"):
+        raise bad_request("'tools' (function calling) is not supported", "tools")
+    _refuse(body, "functions")
+    _refuse(body, "tool_choice", (None, "none", "auto"))
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, name, None, 1)
+    want = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not want:
+        raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    logprobs = (top or 0) if want else None
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list of message objects", "messages")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or any(not isinstance(k, str) or not k.isidentifier() or
+                                           k in _RESERVED_TEMPLATE_KWARGS for k in kwargs):
+        raise bad_request("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    try:
+        ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise bad_request(str(e), "messages") from None
+    if not ids:
+        raise bad_request("'messages' render to zero tokens", "messages")
+    return _finish("chat", body, ctx, [ids], max_tokens, logprobs, name)

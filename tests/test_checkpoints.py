@@ -1,0 +1,124 @@
+"""Checkpoint loading: orbax round trip, sharded placement, and errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from checkpoints import load_model, orbax_io, resolve_model_dir
+from hf_models import make_hf_model
+from jaxserve.config import ModelConfig
+from jaxserve.model import weights as W
+from jaxserve.sharding import make_mesh
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path, _ = make_hf_model("qwen2-bias", tmp_path_factory.mktemp("hf"))
+    return path
+
+
+def _leaves_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_orbax_round_trip_equals_load_on_any_mesh(hf_dir, tmp_path):
+    mesh = make_mesh(1, 4)
+    cfg, loaded = load_model(hf_dir, mesh)
+    dst = orbax_io.save(loaded, tmp_path / "converted", src_model_dir=hf_dir)
+    assert (dst / "config.json").is_file() and orbax_io.is_converted(dst)
+    cfg2, restored = load_model(dst, mesh)
+    assert cfg2 == cfg
+    _leaves_equal(restored, loaded)
+    assert jax.tree.map(lambda a: a.sharding, restored) == jax.tree.map(lambda a: a.sharding, loaded)
+    # Restoring onto another layout places each array on that layout's shardings.
+    _, other = load_model(dst, make_mesh(2, 2))
+    _leaves_equal(other, loaded)
+    assert other.layers[0].wq.sharding.spec == W.shardings(W.abstract(cfg), cfg, make_mesh(2, 2)).layers[0].wq.spec
+    with pytest.raises(FileExistsError, match="already exists"):
+        orbax_io.save(loaded, dst)
+
+
+def test_each_device_holds_only_its_shard(hf_dir):
+    cfg, weights = load_model(hf_dir, make_mesh(1, 8))
+    emb = weights.embed  # [Vp, D] split over the vocabulary
+    assert {s.data.shape for s in emb.addressable_shards} == {(W.padded_vocab(cfg) // 8, cfg.hidden_size)}
+
+
+def test_missing_directory_and_offline_hub_id_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model_dir(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache.*huggingface-cli download"):
+        resolve_model_dir("some-org/some-model-that-is-not-cached")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model_dir(tmp_path / "empty")
+
+
+def test_missing_safetensors_and_missing_tensor(hf_dir, tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    shutil.copy(hf_dir / "config.json", d / "config.json")
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files"):
+        load_model(d, make_mesh(1, 1))
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing tensors.*model.layers.1.mlp.up_proj.weight"):
+        load_model(d, make_mesh(1, 1))
+
+
+def test_wrong_shape_names_the_tensor(hf_dir, tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    shutil.copy(hf_dir / "config.json", d / "config.json")
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    tensors["model.layers.0.self_attn.o_proj.weight"] = tensors["model.layers.0.self_attn.o_proj.weight"][:, :-8]
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.o_proj.weight"):
+        load_model(d, make_mesh(1, 1))
+
+
+def test_unexpected_tensor_and_unknown_architecture(hf_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(hf_dir, d)
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["model.layers.0.mystery.weight"] = np.zeros(3, np.float32)
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.0.mystery.weight'"):
+        load_model(d, make_mesh(1, 1))
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    config["model_type"] = "gpt2"
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+        load_model(d, make_mesh(1, 1))
+
+
+def test_sharded_safetensors_index(hf_dir, tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    shutil.copy(hf_dir / "config.json", d / "config.json")
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    save_file({n: tensors[n] for n in names[:half]}, str(d / "a.safetensors"))
+    save_file({n: tensors[n] for n in names[half:]}, str(d / "b.safetensors"))
+    index = {"weight_map": {n: ("a.safetensors" if i < half else "b.safetensors") for i, n in enumerate(names)}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg, sharded = load_model(d, make_mesh(1, 1))
+    _, single = load_model(hf_dir, make_mesh(1, 1))
+    _leaves_equal(sharded, single)
+    (d / "b.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="b.safetensors"):
+        load_model(d, make_mesh(1, 1))
+    assert cfg.family == "qwen2"

@@ -1,0 +1,66 @@
+"""ModelConfig.from_hf: transformers-5 and older config styles, and errors naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.config import EngineConfig, ModelConfig
+
+BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=100, hidden_size=64,
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128)
+
+
+def test_transformers5_and_legacy_rope_configs_agree():
+    v5 = ModelConfig.from_hf({**BASE, "dtype": "bfloat16", "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}})
+    legacy = ModelConfig.from_hf({**BASE, "torch_dtype": "bfloat16", "rope_theta": 500000.0, "rope_scaling": {
+        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}})
+    assert v5 == legacy
+    assert v5.rope.rope_type == "llama3" and v5.rope.theta == 500000.0 and v5.dtype == "bfloat16"
+    assert v5.head_dim == 16 and v5.q_per_kv == 2
+
+
+def test_family_features():
+    qwen2 = ModelConfig.from_hf({**BASE, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"})
+    assert qwen2.qkv_bias and not qwen2.o_bias and not qwen2.qk_norm
+    qwen3 = ModelConfig.from_hf({**BASE, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32})
+    assert qwen3.qk_norm and qwen3.head_dim == 32 and not qwen3.qkv_bias
+    mistral = ModelConfig.from_hf({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 16})
+    assert mistral.layer_windows == (16, 16)
+    layered = ModelConfig.from_hf({**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 8,
+                                   "layer_types": ["full_attention", "sliding_attention"]})
+    assert layered.layer_windows == (None, 8)
+
+
+@pytest.mark.parametrize("patch,message", [
+    ({"architectures": ["BertModel"], "model_type": "bert"}, "unsupported architecture"),
+    ({"hidden_size": None}, "missing required field 'hidden_size'"),
+    ({"num_hidden_layers": -1}, "'num_hidden_layers' must be a positive integer"),
+    ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+    ({"hidden_act": "gelu"}, "'hidden_act'"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}}, "unsupported RoPE type 'longrope'"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "original_max_position_embeddings"),
+    ({"dtype": "int4"}, "unsupported config.json 'dtype'"),
+    ({"layer_types": ["full_attention"]}, "'layer_types' has 1 entries for 2 layers"),
+])
+def test_bad_configs_name_the_problem(patch, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf({**BASE, **patch})
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelConfig.from_hf(tmp_path)
+
+
+def test_engine_config_validation_and_buckets():
+    cfg = EngineConfig(max_num_batched_tokens=256, max_num_seqs=16)
+    assert cfg.resolved_token_buckets() == (16, 32, 64, 128, 256)
+    assert cfg.resolved_seq_buckets() == (4, 8, 16)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
+        EngineConfig(max_num_batched_tokens=8, max_num_seqs=16)
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="lifo")
