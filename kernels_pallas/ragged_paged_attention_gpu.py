@@ -36,6 +36,9 @@ from kernels_pallas._checks import (
 )
 
 _MIN_DOT = 16
+# Passing Triton compiler params selects the Triton lowering (newer jax defaults to Mosaic GPU);
+# jax < 0.7 named the class TritonCompilerParams.
+_TritonParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
 
 
 def _kernel(
@@ -251,7 +254,7 @@ def ragged_paged_attention_gpu(
         grid=(num_items, KVH),
         out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
         input_output_aliases={9: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=num_stages),
+        compiler_params=_TritonParams(num_warps=warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(*work, seq_lens, tables, q_p, k_pages, v_pages, out_init)

@@ -34,17 +34,19 @@ class BenchCase:
 
 
 def default_cases(rng: np.random.Generator, num_seqs: int, max_ctx: int) -> list[BenchCase]:
-    ctx = rng.integers(1, max_ctx + 1, num_seqs)
-    n_chunks = max(1, num_seqs // 8)
-    mixed_q = [1] * (num_seqs - n_chunks) + [256] * n_chunks
-    mixed_ctx = [int(max(c, q)) for c, q in zip(ctx, mixed_q)]
-    n_prefill = max(1, num_seqs // 8)
-    prefill_ctx = [int(c) for c in rng.integers(512, max_ctx + 1, n_prefill)]
+    """Decode (random / full contexts), a mixed step (decodes + prefill chunks), pure prefill."""
+    ctx = [int(c) for c in rng.integers(1, max_ctx + 1, num_seqs)]
+    n_long = max(1, num_seqs // 8)
+    chunk = min(256, max_ctx)
+    mixed_q = [1] * (num_seqs - n_long) + [chunk] * n_long
+    mixed_ctx = [max(c, q) for c, q in zip(ctx, mixed_q)]
+    prefill = min(512, max_ctx)
+    prefill_ctx = [int(c) for c in rng.integers(prefill, max_ctx + 1, n_long)]
     return [
-        BenchCase("decode_rand", (1,) * num_seqs, tuple(int(c) for c in ctx)),
+        BenchCase("decode_rand", (1,) * num_seqs, tuple(ctx)),
         BenchCase("decode_full", (1,) * num_seqs, (max_ctx,) * num_seqs),
         BenchCase("mixed", tuple(mixed_q), tuple(mixed_ctx)),
-        BenchCase("prefill_512", (512,) * n_prefill, tuple(prefill_ctx)),
+        BenchCase(f"prefill_{prefill}", (prefill,) * n_long, tuple(prefill_ctx)),
     ]
 
 

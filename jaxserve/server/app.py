@@ -1,0 +1,151 @@
+"""The Starlette app: OpenAI routes, /health, /metrics; auth, body limits, admission control.
+
+Order of checks for a generation request: API key (401) -> ready (503) -> content type and body
+size (400/413) -> JSON and fields (400) -> waiting queue (429) -> submit. Every failure is an
+OpenAI-shaped error; an unexpected exception is logged and answered with a 500-shaped error.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jaxserve.server import generation
+from jaxserve.server.errors import APIError, bad_request, internal, overloaded, too_large, unauthorized
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.protocol import parse_chat, parse_completion, parse_json_body
+from jaxserve.server.state import Loader, ServerConfig, ServerState
+
+logger = logging.getLogger("jaxserve.server")
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def build_app(loader: Loader, config: ServerConfig) -> Starlette:
+    """An app that loads the model with `loader` on a background thread once it starts serving."""
+    state = ServerState(loader, config, ServerMetrics(config.served_model_names[0]))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.start_loading()
+        try:
+            yield
+        finally:
+            await state.shutdown()
+
+    def guarded(handler: Handler, auth: bool) -> Handler:
+        async def wrapper(request: Request) -> Response:
+            try:
+                if auth:
+                    _check_auth(request, config.api_key)
+                return await handler(request)
+            except APIError as e:
+                return e.response()
+            except ClientDisconnect:
+                return APIError(499, "client disconnected while sending the request").response()
+            except Exception:
+                logger.exception("unexpected error handling %s %s", request.method, request.url.path)
+                return internal().response()
+        return wrapper
+
+    async def completions(request: Request) -> Response:
+        return await _generate(state, request, parse_completion)
+
+    async def chat(request: Request) -> Response:
+        return await _generate(state, request, parse_chat)
+
+    async def models(request: Request) -> Response:
+        max_len = state.core.engine_cfg.max_model_len if state.core is not None else None
+        data = [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "jaxserve",
+                 "root": str(state.model_dir) if state.model_dir else None, "max_model_len": max_len}
+                for name in config.served_model_names]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(request: Request) -> Response:
+        engine = state.engine
+        if state.status == "ready" and engine is not None and engine.error is None:
+            return JSONResponse({"status": "ok"})
+        detail = {"status": state.status if engine is None or engine.error is None else "engine_failed"}
+        if state.error is not None:
+            detail["error"] = str(state.error)
+        return JSONResponse(detail, status_code=503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    routes = [
+        Route("/v1/completions", guarded(completions, True), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(chat, True), methods=["POST"]),
+        Route("/v1/models", guarded(models, True), methods=["GET"]),
+        Route("/health", guarded(health, False), methods=["GET"]),
+        Route("/metrics", guarded(metrics, False), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app.state.server = state
+    return app
+
+
+async def _generate(state: ServerState, request: Request, parse: Callable[..., Any]) -> Response:
+    arrival = time.monotonic()
+    engine = state.require_ready()
+    body = parse_json_body(await _read_body(request, state.config.max_request_bytes))
+    # Tokenization / chat templates can take milliseconds for long prompts: off the event loop, one
+    # at a time (a HF fast tokenizer may raise "Already borrowed" under concurrent use).
+    gen = await run_in_threadpool(_locked, state, parse, body)
+    if engine.num_waiting >= state.max_waiting:
+        raise overloaded(state.max_waiting)
+    resp, runs = generation.submit(state, gen, arrival)
+    if gen.stream:
+        return generation.stream(state, gen, resp, runs)
+    return await generation.complete(state, gen, resp, runs, request)
+
+
+def _locked(state: ServerState, parse: Callable[..., Any], body: dict) -> Any:
+    with state.tokenize_lock:
+        return parse(body, state.model)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, read with a cap (Content-Length is checked first but not trusted)."""
+    ctype = request.headers.get("content-type", "")
+    if ctype.split(";", 1)[0].strip().lower() != "application/json":
+        raise bad_request(f"Content-Type must be application/json, got {ctype or 'nothing'!r}")
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.strip().isdigit():
+            raise bad_request(f"invalid Content-Length header {length!r}")
+        if int(length) > limit:
+            raise too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large(limit)
+    return bytes(body)
+
+
+def _check_auth(request: Request, api_key: str | None) -> None:
+    if api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise unauthorized()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 in OpenAI's error shape."""
+    status = getattr(exc, "status_code", 500)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    return APIError(status, str(getattr(exc, "detail", exc)), "invalid_request_error", None, code).response(
+        headers=getattr(exc, "headers", None))

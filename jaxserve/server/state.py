@@ -1,0 +1,132 @@
+"""Server configuration and lifecycle: loading (in a background thread) -> ready -> draining.
+
+The model loads and warms up on a thread started by the app's lifespan, so the HTTP server is up
+(answering /health with 503) while XLA compiles. A SIGTERM (or the lifespan's shutdown) moves the
+state to draining: new generation requests get 503, in-flight ones finish within uvicorn's
+graceful-shutdown period (or are cancelled, which aborts them), then the engine thread stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from jaxserve.engine import Engine
+from jaxserve.server.errors import unavailable
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.protocol import ModelContext
+from jaxserve.server.responses import TokenStrings
+
+logger = logging.getLogger("jaxserve.server")
+
+# () -> (EngineCore warmed up, Tokenizer, model directory)
+Loader = Callable[[], tuple[Any, Any, Path]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    served_model_names: tuple[str, ...] = ("jaxserve-tiny",)
+    api_key: str | None = None                 # when set, /v1/* needs "Authorization: Bearer <key>"
+    max_waiting_requests: int | None = None    # None: the engine config's max_waiting_requests
+    request_timeout: float | None = None       # seconds from arrival; the request is aborted after it
+    max_request_bytes: int = 16 * 1024 ** 2
+    on_ready: Callable[["ServerState"], None] | None = None          # called on the loader thread
+    on_load_failed: Callable[[BaseException], None] | None = None   # called on the loader thread
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names):
+            raise ValueError("served_model_names must hold at least one non-empty name")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when set")
+
+
+class ServerState:
+    def __init__(self, loader: Loader, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.loader = loader
+        self.config = config
+        self.metrics = metrics
+        self.status = "loading"        # loading | ready | draining | failed
+        self.error: BaseException | None = None
+        self.engine: Engine | None = None
+        self.core: Any = None
+        self.tokenizer: Any = None
+        self.model_dir: Path | None = None
+        self.model: ModelContext | None = None
+        self.strings: TokenStrings | None = None
+        self.load_seconds = 0.0
+        self._thread: threading.Thread | None = None
+        self.tokenize_lock = threading.Lock()
+
+    # -------------------------------------------------------------- lifecycle
+
+    def start_loading(self) -> None:
+        self._thread = threading.Thread(target=self._load, name="jaxserve-loader", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        start = time.monotonic()
+        try:
+            core, tokenizer, model_dir = self.loader()
+            if self.status != "loading":  # shut down while we were loading
+                return
+            engine = Engine(core)
+            self.metrics.attach(core)
+            engine.on_step = self.metrics.on_step
+            engine.start()
+            self.core, self.tokenizer, self.model_dir, self.engine = core, tokenizer, model_dir, engine
+            self.model = ModelContext(self.config.served_model_names, core.engine_cfg.max_model_len,
+                                      core.model_cfg.vocab_size, tokenizer)
+            self.strings = TokenStrings(lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+                                        tokenizer.convert_ids_to_tokens)
+            self.load_seconds = time.monotonic() - start
+            self.status = "ready"
+        except BaseException as e:
+            self.error = e
+            self.status = "failed"
+            logger.exception("loading the model failed")
+            if self.config.on_load_failed is not None:
+                self.config.on_load_failed(e)
+            return
+        if self.config.on_ready is not None:
+            self.config.on_ready(self)
+
+    def begin_drain(self) -> None:
+        if self.status in ("loading", "ready"):
+            self.status = "draining"
+            logger.info("draining: new requests get 503, in-flight requests may finish")
+
+    async def shutdown(self) -> None:
+        self.begin_drain()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+
+    # -------------------------------------------------------------- per request
+
+    @property
+    def max_waiting(self) -> int:
+        if self.config.max_waiting_requests is not None:
+            return self.config.max_waiting_requests
+        return self.core.engine_cfg.max_waiting_requests
+
+    def require_ready(self) -> Engine:
+        """The engine, or APIError(503) while loading, draining, or after a failure."""
+        if self.status == "loading":
+            raise unavailable("the model is still loading (warm-up in progress); retry shortly", "model_loading")
+        if self.status == "draining":
+            raise unavailable("the server is shutting down", "shutting_down")
+        if self.status == "failed" or self.engine is None:
+            raise unavailable(f"the model failed to load: {self.error}", "model_load_failed")
+        if self.engine.error is not None:
+            raise unavailable(f"the engine stopped after an error: {self.engine.error}", "engine_failed")
+        return self.engine
