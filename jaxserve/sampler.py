@@ -12,7 +12,8 @@ Pipeline per row (the contract's order):
   -> logprobs = log_softmax of these processed logits: the distribution AFTER penalties and
      temperature but BEFORE top-k/top-p/min-p truncation, for the chosen token and a sorted top-20
   top-k, then top-p renormalised over the top-k set, then min-p (relative to the max probability)
-  -> Gumbel-max sample with the row's key; greedy rows take the argmax of the processed logits.
+  -> inverse-CDF draw (one uniform from the row's key, one cumulative sum over V); greedy rows
+     take the argmax of the processed logits.
 
 Seeds: a row's key is `fold_in(key(seed), num_output_tokens)` with the threefry2x32 PRNG fixed
 here (whatever jax's default PRNG is), the 64-bit seed split into its two 32-bit words exactly as
@@ -38,7 +39,8 @@ H200 -- not yet measured), versus a segmented sort of R rows of 151,936 (bitonic
 O(V log^2 V) per row) or a `lax.top_k` with a large k (which falls back to a sort). Each search
 runs under `lax.cond` only when some row in the batch enables it, so
 batches without top-k/top-p pay nothing. Ties at the threshold are all kept (as transformers'
-`logits < kth_value` masking does). Gumbel noise costs R*V threefry draws; the top-20 logprobs
+`logits < kth_value` masking does). The draw needs one uniform per row (Gumbel-max would need R*V
+threefry draws, which dominated a CPU step); the top-20 logprobs
 (`lax.top_k`, k=20) also run under `lax.cond`, only when some row asked for alternatives.
 """
 
@@ -58,6 +60,7 @@ MIN_HISTORY_BUCKET = 64
 MAX_EOS_IDS = 64                    # slack for EOS ids banned before min_tokens (bucket bound only)
 GREEDY_TEMPERATURE = 1e-5           # temperatures below this are treated as greedy (avoids inf/inf)
 _PRNG_IMPL = "threefry2x32"
+_DRAW_BLOCK = 128                   # columns per block of the two-level CDF in _draw
 
 
 class SamplingRow(NamedTuple):
@@ -304,12 +307,13 @@ def _row_keys(t: SamplingTensors) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(base, t.num_output_tokens)
 
 
-def _top_logprobs(logprobs: jax.Array, t: SamplingTensors, vocab_size: int):
-    r, width = logprobs.shape
+def _top_logprobs(x: jax.Array, lse: jax.Array, t: SamplingTensors, vocab_size: int):
+    """Top-20 of the log-softmax x - lse ([R, V], [R]), only when some row asked for alternatives."""
+    r, width = x.shape
     k = NUM_TOP_LOGPROBS
 
     def compute(_):
-        lp = logprobs
+        lp = x - lse[:, None]
         if width < k:  # tiny vocabularies: pad so top_k has k columns to pick from
             lp = jnp.pad(lp, ((0, 0), (0, k - width)), constant_values=-jnp.inf)
         vals, ids = jax.lax.top_k(lp, k)
@@ -322,19 +326,44 @@ def _top_logprobs(logprobs: jax.Array, t: SamplingTensors, vocab_size: int):
     return jax.lax.cond(jnp.any(t.num_logprobs > 0), compute, skip, None)
 
 
+def draw_uniform(t: SamplingTensors) -> jax.Array:
+    """[R] float32 in [0, 1): one uniform per row from the row's own key."""
+    return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(_row_keys(t))
+
+
+def _draw(x: jax.Array, t: SamplingTensors, row_max: jax.Array) -> jax.Array:
+    """Inverse-CDF draw over the truncated distribution with one uniform per row (Gumbel-max
+    would need R*V threefry draws, which dominated a CPU step). The CDF is two-level, block sums
+    of `_DRAW_BLOCK` columns then one block, because a flat cumsum over V lowers to a slow scan."""
+    r, v = x.shape
+    e = jnp.where(_truncation_mask(x, t), jnp.exp(x - row_max), 0.0)            # [R, V]
+    pad = (-v) % _DRAW_BLOCK
+    blocks = jnp.pad(e, ((0, 0), (0, pad))).reshape(r, -1, _DRAW_BLOCK)           # [R, NB, B]
+    block_cdf = jnp.cumsum(jnp.sum(blocks, axis=2), axis=1)                       # [R, NB]
+    u = draw_uniform(t) * block_cdf[:, -1]
+    # First block whose cumulative mass exceeds u, then the first column inside it likewise.
+    b = jnp.minimum(jnp.sum(block_cdf <= u[:, None], axis=1), block_cdf.shape[1] - 1)
+    before = jnp.where(b > 0, jnp.take_along_axis(block_cdf, jnp.maximum(b - 1, 0)[:, None], axis=1)[:, 0], 0.0)
+    inner = jnp.cumsum(jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0], axis=1)  # [R, B]
+    col = jnp.minimum(jnp.sum(inner <= (u - before)[:, None], axis=1), _DRAW_BLOCK - 1)
+    return jnp.minimum(b * _DRAW_BLOCK + col, v - 1).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, tensors: SamplingTensors, vocab_size: int) -> SamplerOutput:
     """Sample one token per row. logits: [R, V] (V may exceed vocab_size: padding columns).
 
     Jittable with `vocab_size` static; parameter values are data, so they never recompile.
+    Cost for an all-greedy batch: the processed logits, one max/argmax pass and one logsumexp
+    pass; the truncation masks, the draw and the top-20 run under `lax.cond` only when a row
+    needs them.
     """
     x = process_logits(logits, tensors, vocab_size)                                 # [R, V]
-    logprobs = jax.nn.log_softmax(x, axis=1)
-    greedy_ids = jnp.argmax(x, axis=1)
-    masked = jnp.where(_truncation_mask(x, tensors), x, -jnp.inf)
-    noise = lambda key: jax.random.gumbel(key, (x.shape[1],), jnp.float32)  # noqa: E731
-    gumbel = jax.vmap(noise)(_row_keys(tensors))                                   # [R, V]
-    sampled_ids = jnp.argmax(masked + gumbel, axis=1)
-    token_ids = jnp.where(tensors.temperature > 0, sampled_ids, greedy_ids).astype(jnp.int32)
-    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=1)[:, 0]
-    top_ids, top_lps = _top_logprobs(logprobs, tensors, vocab_size)
+    row_max = jnp.max(x, axis=1, keepdims=True)
+    lse = row_max[:, 0] + jnp.log(jnp.sum(jnp.exp(x - row_max), axis=1))            # [R]
+    greedy_ids = jnp.argmax(x, axis=1).astype(jnp.int32)
+    sampled_ids = jax.lax.cond(jnp.any(tensors.temperature > 0), lambda: _draw(x, tensors, row_max),
+                               lambda: greedy_ids)
+    token_ids = jnp.where(tensors.temperature > 0, sampled_ids, greedy_ids)
+    chosen = jnp.take_along_axis(x, token_ids[:, None], axis=1)[:, 0] - lse
+    top_ids, top_lps = _top_logprobs(x, lse, tensors, vocab_size)
     return SamplerOutput(token_ids, chosen, top_ids, top_lps)

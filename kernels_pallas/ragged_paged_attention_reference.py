@@ -22,6 +22,7 @@ from jax import lax
 from kernels_pallas._checks import MASK_VALUE, check_attention_args
 
 _CHUNK_BYTES = 32 * 1024 * 1024
+_CHUNK_TOKENS = 128
 
 
 def row_to_seq(
@@ -44,8 +45,12 @@ def row_to_seq(
 
 def _default_chunk_pages(num_tokens: int, page_size: int, num_kv_heads: int, head_dim: int,
                          max_pages: int) -> int:
+    # Small chunks let the dynamic trip count stop close to the longest live sequence (a chunk
+    # past a sequence's end is gathered and masked for nothing); the byte cap bounds big prefills.
     per_page = num_tokens * page_size * num_kv_heads * head_dim * 4
-    return max(1, min(max_pages, _CHUNK_BYTES // max(per_page, 1)))
+    by_bytes = _CHUNK_BYTES // max(per_page, 1)
+    by_tokens = max(1, _CHUNK_TOKENS // page_size)
+    return max(1, min(max_pages, by_bytes, by_tokens))
 
 
 @functools.partial(
@@ -99,10 +104,10 @@ def ragged_paged_attention_reference(
         mask = live[:, None] & (kv_pos[None, :] <= row_pos[:, None])  # [T, C]
         if sliding_window is not None:
             mask &= row_pos[:, None] - kv_pos[None, :] < sliding_window
-        # Zero K/V outside the mask so stale (even NaN) slots cannot leak through 0 * NaN.
+        # Stale (even NaN) K only reaches masked scores, which `where` replaces; V is zeroed
+        # outside the mask because 0 * NaN would leak into the weighted sum.
         k = k_pages[pages].reshape(T, chunk, KVH, D).astype(jnp.float32)
         v = v_pages[pages].reshape(T, chunk, KVH, D).astype(jnp.float32)
-        k = jnp.where(mask[:, :, None, None], k, 0.0)
         v = jnp.where(mask[:, :, None, None], v, 0.0)
         s = jnp.einsum("tkgd,tckd->tkgc", qf, k, precision=hi) * sm_scale  # [T, KVH, G, C]
         if soft_cap is not None:

@@ -190,8 +190,9 @@ def test_row_key_is_fold_in_of_seed_key_and_output_count():
     for i, kd in enumerate(keys):
         key = jax.random.fold_in(jax.random.wrap_key_data(jnp.asarray(kd, jnp.uint32),
                                                           impl="threefry2x32"), i)
-        g = jax.random.gumbel(key, (WIDTH,), jnp.float32)
-        want = int(np.argmax(np.where(np.arange(WIDTH) < VOCAB, x[i], -np.inf) + np.asarray(g)))
+        u = float(jax.random.uniform(key, (), jnp.float32))
+        probs = np.where(np.arange(WIDTH) < VOCAB, np.exp(x[i] - x[i, :VOCAB].max()), 0.0).astype(np.float32)
+        want = int(np.searchsorted(np.cumsum(probs), u * probs.sum(), side="right"))  # inverse CDF
         assert int(out.token_ids[i]) == want, (i, seeds[i])
 
 
