@@ -1,0 +1,50 @@
+"""A Pallas kernel under tensor parallelism runs per device on its own heads (shard_map) and gives
+the same result as the reference on the whole arrays."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxserve.config import ModelConfig
+from jaxserve.model.attention import make_attention
+from jaxserve.sharding import make_mesh
+from kernels_pallas import ragged_paged_attention_reference
+
+CFG = ModelConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=128, hidden_size=64,
+                               intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
+                               num_key_value_heads=4, head_dim=16, max_position_embeddings=64))
+
+
+def _inputs(rng):
+    num_pages, ps = 12, 4
+    q = rng.standard_normal((7, 8, 16)).astype(np.float32)
+    k = rng.standard_normal((num_pages, ps, 4, 16)).astype(np.float32)
+    v = rng.standard_normal((num_pages, ps, 4, 16)).astype(np.float32)
+    seq_lens = np.array([9, 5], np.int32)          # a 4-token chunk and a 3-token chunk
+    cu = np.array([0, 4, 7], np.int32)
+    tables = np.array([[3, 7, 1, 0], [10, 2, 0, 0]], np.int32)
+    return q, k, v, seq_lens, cu, tables, np.array([2], np.int32)
+
+
+def test_gpu_kernel_shard_mapped_over_kv_heads_matches_reference():
+    mesh = make_mesh(1, 4)  # 4 KV heads split 4 ways, 2 q heads per device
+    fn = make_attention("gpu", CFG, mesh, interpret=True)
+    assert fn.__name__.startswith("shard_map_")
+    q, k, v, seq_lens, cu, tables, n = _inputs(np.random.default_rng(0))
+    heads = NamedSharding(mesh, P(None, "model", None))
+    pages = NamedSharding(mesh, P(None, None, "model", None))
+    out = jax.jit(lambda *a: fn(*a, sm_scale=0.25))(jax.device_put(q, heads), jax.device_put(k, pages),
+                                                     jax.device_put(v, pages), seq_lens, cu, tables, n)
+    assert out.sharding.spec == P(None, "model", None)
+    ref = ragged_paged_attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), seq_lens, cu, tables,
+                                           n, sm_scale=0.25)
+    np.testing.assert_allclose(np.asarray(out)[:7], np.asarray(ref)[:7], rtol=1e-5, atol=1e-5)
+
+
+def test_reference_and_replicated_kv_heads_stay_unwrapped():
+    assert make_attention("reference", CFG, make_mesh(1, 4)) is ragged_paged_attention_reference
+    # 8-way model axis > 4 KV heads: KV replicated, the kernel is not shard-mapped.
+    assert not getattr(make_attention("gpu", CFG, make_mesh(1, 8), interpret=True), "__name__", "").startswith("shard_map_")
