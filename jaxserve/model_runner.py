@@ -6,6 +6,10 @@ A step is two jitted programs dispatched back to back without a host sync:
 Splitting them keeps the compiled-program count additive (|T x S| + |S x H|) instead of
 multiplicative, while the KV pool still never leaves the device and is never copied.
 
+The sample program also pads the sampled ids into a fixed `[max rows]` device buffer that the next
+step's forward reads for its in-flight decodes (async scheduling: `StepArrays.prev_sample_row`), so
+the next step can be dispatched before this one's ids reach the host.
+
 Compilation is counted through jax.monitoring: after `warmup()` every new compilation is logged
 as an error and counted in `compilations_after_warmup` (a metric and a test assertion).
 """
@@ -24,6 +28,7 @@ from jax.sharding import Mesh
 
 from jaxserve import kv_cache, sharding
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.model.attention import make_attention
 from jaxserve.model.paged import forward_paged
 from jaxserve.model.weights import Weights
 from jaxserve.sampler import SamplerOutput, SamplingTensors, history_buckets, sample
@@ -58,16 +63,18 @@ class CompileCounter:
         return cls._count
 
 
-def _attention_fn(name: str) -> Callable[..., jax.Array]:
-    from kernels_pallas import get_attention_backend
-    return get_attention_backend(name)
-
-
 # Module-level jits: runners of the same model config share compiled programs (the cache key is
 # the static config plus the input shapes and shardings), so a second engine on the same model
 # and buckets starts without compiling.
 _forward_step = jax.jit(forward_paged, static_argnames=("cfg", "attention_fn"), donate_argnames=("kv",))
-_sample_step = jax.jit(sample, static_argnames=("vocab_size",))
+def _sample_and_keep(logits: jax.Array, tensors: SamplingTensors, vocab_size: int,
+                     width: int) -> tuple[SamplerOutput, jax.Array]:
+    """sample(), plus its token ids padded to [width] for the next step's forward (prev_ids)."""
+    out = sample(logits, tensors, vocab_size)
+    return out, jnp.pad(out.token_ids, (0, width - out.token_ids.shape[0]))
+
+
+_sample_step = jax.jit(_sample_and_keep, static_argnames=("vocab_size", "width"))
 _copy_step = jax.jit(kv_cache.copy_pages, donate_argnums=(0,))
 
 
@@ -87,7 +94,10 @@ class ModelRunner:
         self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size)
         self.history_buckets = history_buckets(engine_cfg.max_model_len, model_cfg.vocab_size)
         self._replicated = sharding.replicated(mesh)
-        self._attention = _attention_fn(engine_cfg.attention_backend)
+        self._attention = make_attention(engine_cfg.attention_backend, model_cfg, mesh)
+        self._rows_width = max(s for _, s in self.builder.buckets)  # the largest sampler row bucket
+        # [rows_width] int32: the last dispatched step's sampled ids, on the device
+        self._prev_ids = self._put(np.zeros(self._rows_width, np.int32))
         self.warmed_up = False
         self._compiles_at_warmup = 0
         self.compilations_after_warmup = 0
@@ -103,7 +113,7 @@ class ModelRunner:
         if len(inputs.copies):
             self.kv = _copy_step(self.kv, *self._put(self._pad_copies(inputs.copies)))
         logits, self.kv = self._forward(inputs.arrays)
-        out = self._sample(logits, inputs.sampling)
+        out, self._prev_ids = self._sample(logits, inputs.sampling)
         for leaf in out:
             leaf.copy_to_host_async()
         if self.warmed_up and CompileCounter.count() != before:
@@ -116,10 +126,11 @@ class ModelRunner:
 
     def _forward(self, arrays: StepArrays) -> tuple[jax.Array, kv_cache.KVPages]:
         return _forward_step(self.weights, kv=self.kv, arrays=self._put(arrays), cfg=self.model_cfg,
-                             attention_fn=self._attention)
+                             attention_fn=self._attention, prev_ids=self._prev_ids)
 
-    def _sample(self, logits: jax.Array, tensors: SamplingTensors) -> SamplerOutput:
-        return _sample_step(logits, self._put(tensors), vocab_size=self.model_cfg.vocab_size)
+    def _sample(self, logits: jax.Array, tensors: SamplingTensors) -> tuple[SamplerOutput, jax.Array]:
+        return _sample_step(logits, self._put(tensors), vocab_size=self.model_cfg.vocab_size,
+                            width=self._rows_width)
 
     @staticmethod
     def fetch(out: SamplerOutput) -> SamplerOutput:
@@ -151,10 +162,14 @@ class ModelRunner:
             if progress:
                 progress(done, total, what)
 
+        max_pages, pad_slot = self.engine_cfg.max_pages_per_seq, self.num_pages * self.engine_cfg.page_size
+        # Steps feed the sample program's padded ids to the next forward: prime that buffer with a
+        # real one, so the forwards below compile for the sharding steps will give them.
+        logits, self.kv = self._forward(_dummy_arrays(*buckets[0], max_pages, pad_slot))
+        _, self._prev_ids = self._sample(logits, _dummy_sampling(buckets[0][1], 0))
         logits_by_rows = {}  # real forward outputs, so the sampler sees the shardings steps will give it
         for t, s in buckets:
-            arrays = _dummy_arrays(t, s, self.engine_cfg.max_pages_per_seq, self.num_pages * self.engine_cfg.page_size)
-            logits_by_rows[s], self.kv = self._forward(arrays)
+            logits_by_rows[s], self.kv = self._forward(_dummy_arrays(t, s, max_pages, pad_slot))
             tick(f"forward T={t} S={s}")
         for s in seq_buckets:
             for h in self.history_buckets:
@@ -175,7 +190,7 @@ def _dummy_arrays(t: int, s: int, max_pages: int, pad_slot: int) -> StepArrays:
     """A bucket-shaped step that writes nothing (every slot is padding) and has no live sequence."""
     z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     return StepArrays(z(t), z(t), z(t), np.full(t, pad_slot, np.int32), z(s + 1), z(s), z(s, max_pages),
-                      z(1), z(s))
+                      z(1), z(s), np.full(t, -1, np.int32))
 
 
 def _dummy_sampling(s: int, h: int) -> SamplingTensors:

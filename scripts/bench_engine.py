@@ -1,0 +1,126 @@
+"""Engine-level decode throughput against the machine's roofline, and where the step time goes.
+
+    python scripts/bench_engine.py --preset bench-small --batches 1,8,32,128 --context 256
+
+For each batch size B: B requests with `--context`-token prompts are prefilled, then `--steps`
+decode steps are timed (median of `--repeats` runs). In the same run the copy bandwidth and the
+matmul rate are measured (scripts/roofline.py), and each row reports achieved tokens/s, the
+bound max(bytes/bandwidth, FLOPs/rate), the fraction of the bound reached, and the host share of
+the step (scheduling + input building + update, from EngineCore.timings). No HTTP: this isolates
+the engine from the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+PRESETS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=1024),
+    "bench-small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                        num_key_value_heads=4, head_dim=32, vocab_size=151936),
+    "bench-105m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=64, vocab_size=151936),
+}
+
+
+def preset_config(name: str) -> dict:
+    return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", max_position_embeddings=4096,
+                tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, dtype="float32", **PRESETS[name])
+
+
+def run_batch(model_cfg, weights, batch: int, context: int, steps: int, repeats: int) -> dict:
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import EngineCore
+    from jaxserve.request import Request
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.sharding import make_mesh
+
+    page_size = 16
+    max_len = context + steps * (repeats + 1) + 8
+    budget = max(batch, 512)
+    ecfg = EngineConfig(page_size=page_size, num_kv_pages=batch * (-(-max_len // page_size)) + 8,
+                        max_num_seqs=batch, max_num_batched_tokens=budget, max_model_len=max_len,
+                        token_buckets=tuple(sorted({batch, budget})), seq_buckets=(batch,),
+                        enable_prefix_caching=False)
+    core = EngineCore(model_cfg, weights, ecfg, make_mesh(1, 1))
+    warm = core.runner.warmup()
+    params = SamplingParams(temperature=0.0, max_tokens=steps * (repeats + 1), ignore_eos=True)
+    for i in range(batch):
+        core.add_request(Request(f"b{i}", [(7 * i + j) % 1000 + 1 for j in range(context)], params))
+    started: set[str] = set()
+    while len(started) < batch:  # prefill everyone (each request has sampled its first token)
+        started.update(e.request_id for e in core.step())
+    for _ in range(steps):  # settle into pure decode
+        core.step()
+    times, host = [], []
+    for _ in range(repeats):
+        core.timings.__init__()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        times.append(time.perf_counter() - t0)
+        tm = core.timings
+        host.append((tm.schedule + tm.build + tm.update) / max(times[-1], 1e-9))
+    step_s = statistics.median(times) / steps
+    return {"batch": batch, "warmup_s": round(warm, 1), "step_ms": step_s * 1e3,
+            "tokens_per_s": batch / step_s, "host_fraction": statistics.median(host),
+            "recompiles": core.runner.compilations_after_warmup}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench-small", choices=sorted(PRESETS))
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json-out")
+    args = ap.parse_args(argv)
+
+    import jax.numpy as jnp
+
+    import roofline as rl
+    from jaxserve.config import ModelConfig
+    from jaxserve.model.weights import init_random
+
+    cfg_dict = preset_config(args.preset)
+    model_cfg = ModelConfig.from_hf(cfg_dict)
+    weights = init_random(model_cfg, seed=0, dtype=jnp.float32)
+    bw = rl.measure_copy_bandwidth(backend="numpy")
+    rate, _ = rl.measure_matmul_rate()
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(cfg_dict))
+        rows = []
+        for b in [int(x) for x in args.batches.split(",")]:
+            row = run_batch(model_cfg, weights, b, args.context, args.steps, args.repeats)
+            bound = rl.roofline(Path(d) / "config.json", b, args.context, bw, rate)
+            row["bound_tokens_per_s"] = bound["decode_tokens_per_s"]
+            row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
+            row["bound_kind"] = bound["decode_bound"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\nmachine: copy {bw / 1e9:.1f} GB/s, matmul {rate / 1e9:.1f} GFLOP/s; preset {args.preset}, "
+          f"context {args.context}")
+    print("| batch | step ms | tok/s | bound tok/s | % of bound | limited by | host share |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['bound_tokens_per_s']:.0f} | "
+              f"{100 * r['fraction_of_bound']:.0f}% | {r['bound_kind']} | {100 * r['host_fraction']:.1f}% |")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"bandwidth": bw, "matmul_rate": rate, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
