@@ -151,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # everything after `bench` (--help included) belongs to bench_serving.py
+        from jaxserve.server.commands import bench
+
+        return bench(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -181,14 +186,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         generate(args.model, _engine_config(args, args.model or "jaxserve-tiny"), args.prompt, params,
                  chat=args.chat, show_progress=not args.no_progress)
         return 0
-    if args.command == "convert":
-        from jaxserve.server.commands import convert
+    from jaxserve.server.commands import convert
 
-        print(f"wrote {convert(args.src, args.dst, args.dtype)}")
-        return 0
-    from jaxserve.server.commands import bench
-
-    return bench(args.bench_args)
+    print(f"wrote {convert(args.src, args.dst, args.dtype)}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -230,6 +230,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
     max_waiting_requests: int = 1024
     seed: int = 0
+    async_scheduling: bool = True            # plan and dispatch step n+1 while step n runs on the device
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -1,6 +1,12 @@
 """The engine: scheduler -> step inputs -> model runner -> scheduler, one step at a time.
 
-`EngineCore` is the synchronous step loop (used directly by the offline `LLM` API and tests).
+`EngineCore` is the step loop (used directly by the offline `LLM` API and tests). With
+`EngineConfig.async_scheduling` one `step()` plans and dispatches step n+1 while step n still runs
+on the device, and only then waits for step n's sampled ids and applies them: the device never
+waits for the host's scheduling. Decodes whose previous token is still on the device read it there
+(see scheduler.py). A row with repetition/presence/frequency penalties needs its output ids on the
+host, so a step n that sampled such a row is finished before step n+1 is planned (`num_sync_steps`).
+Without async scheduling a step is schedule -> build -> dispatch -> wait -> update.
 `Engine` runs an `EngineCore` on one background thread and delivers each request's TokenEvents to
 an asyncio queue on the caller's event loop (`call_soon_threadsafe`). Nothing here decodes text:
 detokenization and stop strings happen on the consumer's side, which calls `finish()` when a stop
@@ -27,19 +33,30 @@ from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import FinishReason, Request, TokenEvent
 from jaxserve.scheduler import SampledToken, Scheduler, SchedulerStats, StepPlan
 from jaxserve.sampler import SamplerOutput
+from jaxserve.step_inputs import needs_output_ids
 
 logger = logging.getLogger("jaxserve.engine")
 
 
 @dataclasses.dataclass
 class StepTimings:
-    """Seconds spent in the last steps' phases (host scheduling, input building, device, update)."""
+    """Seconds spent in the steps' phases: host scheduling, input building, device (dispatching the
+    step plus waiting for its sampled ids; with async scheduling the wait is only the part not
+    hidden behind planning the next step), and applying the ids."""
 
     schedule: float = 0.0
     build: float = 0.0
     device: float = 0.0
     update: float = 0.0
     steps: int = 0
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose sampled ids have not been applied yet."""
+
+    plan: StepPlan
+    out: SamplerOutput   # device arrays; their copy to the host is already started
 
 
 class EngineCore:
@@ -55,7 +72,9 @@ class EngineCore:
         self._rng = random.Random(engine_cfg.seed)
         self.timings = StepTimings()
         self.num_prefill_tokens = 0   # prompt tokens computed (prefix-cache hits excluded)
-        self.num_generated_tokens = 0
+        self.num_generated_tokens = 0  # tokens emitted (a token sampled after its sequence stopped is not)
+        self.num_sync_steps = 0        # async scheduling: steps finished before planning the next (penalties)
+        self._inflight: _InFlight | None = None
 
     @property
     def num_kv_pages(self) -> int:
@@ -82,32 +101,64 @@ class EngineCore:
         self.scheduler.finish(request_id, sample_index)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._inflight is not None or self.scheduler.has_work()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     def step(self) -> list[TokenEvent]:
+        """One engine iteration; returns the TokenEvents it produced. Synchronous: runs one step
+        to completion. Async: dispatches the next step, then completes the one before it (so the
+        first call returns no tokens, and a call with nothing new to plan only completes)."""
+        if not self.engine_cfg.async_scheduling:
+            plan = self._schedule()
+            events = list(plan.finished)
+            if plan.chunks:
+                events += self._complete(self._dispatch(plan, None))
+            return events
+        prev, self._inflight = self._inflight, None
+        events: list[TokenEvent] = []
+        if prev is not None and any(c.sample and needs_output_ids(c.request.params) for c in prev.plan.chunks):
+            events += self._complete(prev)  # penalties read the ids: no placeholder for them
+            prev = None
+            self.num_sync_steps += 1
+        plan = self._schedule()
+        events += plan.finished
+        if plan.chunks:
+            self._inflight = self._dispatch(plan, prev.plan if prev is not None else None)
+        if prev is not None:
+            events += self._complete(prev)
+        return events
+
+    def _schedule(self) -> StepPlan:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        self.timings.schedule += time.perf_counter() - t0
+        return plan
+
+    def _dispatch(self, plan: StepPlan, prev_plan: StepPlan | None) -> _InFlight:
+        """Builds the step's inputs and launches it on the device; returns without waiting."""
+        t0 = time.perf_counter()
+        inputs = self.runner.builder.build(plan, prev_plan)
         t1 = time.perf_counter()
-        events = list(plan.finished)
-        if plan.chunks:
-            inputs = self.runner.builder.build(plan)
-            t2 = time.perf_counter()
-            out = ModelRunner.fetch(self.runner.step(inputs))
-            t3 = time.perf_counter()
-            events += self.scheduler.update(plan, _sampled_tokens(plan, out))
-            t4 = time.perf_counter()
-            self.num_prefill_tokens += sum(max(0, min(len(c.token_ids), len(c.request.prompt_token_ids) - c.start_pos))
-                                           for c in plan.chunks)
-            self.num_generated_tokens += inputs.num_samples
-            tm = self.timings
-            tm.schedule += t1 - t0
-            tm.build += t2 - t1
-            tm.device += t3 - t2
-            tm.update += t4 - t3
-            tm.steps += 1
+        out = self.runner.step(inputs)
+        self.timings.build += t1 - t0
+        self.timings.device += time.perf_counter() - t1
+        self.num_prefill_tokens += sum(max(0, min(len(c.token_ids), len(c.request.prompt_token_ids) - c.start_pos))
+                                       for c in plan.chunks)
+        return _InFlight(plan, out)
+
+    def _complete(self, step: _InFlight) -> list[TokenEvent]:
+        """Waits for the step's sampled ids and applies them to the scheduler."""
+        t0 = time.perf_counter()
+        out = self.runner.fetch(step.out)
+        t1 = time.perf_counter()
+        events = self.scheduler.update(step.plan, _sampled_tokens(step.plan, out))
+        tm = self.timings
+        tm.device += t1 - t0
+        tm.update += time.perf_counter() - t1
+        tm.steps += 1
+        self.num_generated_tokens += sum(1 for e in events if e.token_id is not None)
         return events
 
 

@@ -67,6 +67,8 @@ class CompileCounter:
 # the static config plus the input shapes and shardings), so a second engine on the same model
 # and buckets starts without compiling.
 _forward_step = jax.jit(forward_paged, static_argnames=("cfg", "attention_fn"), donate_argnames=("kv",))
+
+
 def _sample_and_keep(logits: jax.Array, tensors: SamplingTensors, vocab_size: int,
                      width: int) -> tuple[SamplerOutput, jax.Array]:
     """sample(), plus its token ids padded to [width] for the next step's forward (prev_ids)."""

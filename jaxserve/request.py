@@ -56,6 +56,8 @@ class Sequence:
 
     After a preemption the sequence is recomputed: `num_computed_tokens` drops to 0 and the prompt
     plus the tokens generated so far are prefilled again; nothing already emitted is emitted twice.
+    `num_tokens` counts the tokens known on the host; `num_inflight` more are sampled but not yet
+    appended (async scheduling), so `num_computed_tokens` may reach `num_tokens + num_inflight`.
     """
 
     seq_id: str
@@ -70,6 +72,9 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission (reported in events)
     admitted_once: bool = False        # later admissions are recomputes after a preemption
     max_len: int = 0                   # total tokens (prompt + output) at which the sequence stops (LENGTH)
+    # Async scheduling: tokens sampled by planned steps whose ids update() has not appended yet
+    # (they are still on the device). The next decode can run on them through a placeholder.
+    num_inflight: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,4 +103,4 @@ class Sequence:
         """
         if self.pending_siblings:
             return self.num_prompt_tokens - 1
-        return self.num_tokens
+        return self.num_tokens + self.num_inflight

@@ -14,6 +14,19 @@ prompt token on its own, so each sample has its own logits row and seed. The par
 page is copied on write (StepPlan.copies). Prefilling n times with prefix hits would recompute the
 partial last page n times and could not share pages with the same step's other samples, because
 pages enter the prefix cache only once their K/V is computed (in `update`).
+
+Asynchronous scheduling: the engine may call `schedule()` for step n+1 before `update()` of step n
+(step n still runs on the device). A sequence sampled in step n then has one in-flight token
+(`Sequence.num_inflight`): its next decode is planned anyway, with `PENDING_TOKEN` standing for the
+unknown id (the model runner substitutes the id sampled on the device). Stop conditions are still
+decided in `update()`: a sequence that stops at step n has the token of its step-n+1 decode
+discarded (no event), and one that is certain to stop by length is not planned past it. A preempted
+sequence's in-flight token is still appended by `update()` (and emitted); the sequence is re-admitted
+only once nothing of it is in flight, so its recompute prefills known tokens only.
+Pages may be freed while a dispatched step still writes into them: device steps run in order and
+nothing reads a page before writing it, so the next owner only ever sees its own K/V. A page enters
+the prefix cache only when every position it covers has a known token and its K/V is computed by a
+dispatched step (`_commit`), so its content always matches its key by the time a later step reads it.
 """
 
 from __future__ import annotations
@@ -27,6 +40,8 @@ from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import FinishReason, Request, Sequence, SequenceStatus, TokenEvent
 
 logger = logging.getLogger("jaxserve.scheduler")
+
+PENDING_TOKEN = -1  # in ScheduledChunk.token_ids: the in-flight token sampled by the previous step
 
 _CONFIG_FIELDS = ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                   "enable_prefix_caching", "scheduling_policy", "model_id")
@@ -47,11 +62,13 @@ class ScheduledChunk:
     seq_id: str
     request: Request
     sample_index: int
-    token_ids: list[int]         # tokens whose K/V this step computes (a prefill chunk or 1 decode token)
+    token_ids: list[int]         # tokens whose K/V this step computes (a prefill chunk or 1 decode token);
+                                 # PENDING_TOKEN: the token sampled for this sequence by the previous step
     start_pos: int               # absolute position of token_ids[0] (= tokens already in the KV cache)
     page_table: list[int]        # pages covering positions [0, start_pos + len(token_ids))
     sample: bool                 # chunk ends at the sequence's last token: one token is sampled
-    output_token_ids: list[int]  # generated tokens so far; the live list, read it before update()
+    output_token_ids: list[int]  # generated tokens so far; the live list, read it before update(); it lacks
+                                 # the in-flight token (its count: start_pos + len(token_ids) - prompt length)
 
 
 @dataclasses.dataclass
@@ -63,6 +80,9 @@ class StepPlan:
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     preempted: list[str] = dataclasses.field(default_factory=list)        # seq ids sent back to waiting
     finished: list[TokenEvent] = dataclasses.field(default_factory=list)  # finishes without a step (abort)
+    # seq_id -> the Sequence each chunk belongs to (update() must not look ids up again: a finished
+    # request's id may be reused while its last step is still in flight)
+    owners: dict[str, Sequence] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_samples(self) -> int:
@@ -120,6 +140,8 @@ class Scheduler:
         self._waiting: list[list[Sequence]] = []  # admission units; [leader, pending siblings] or [seq]
         self._running: list[Sequence] = []
         self._num_preemptions = 0
+        self.num_discarded_tokens = 0  # sampled after their sequence had finished (async scheduling)
+        self._outstanding = 0  # plans with chunks scheduled and not yet updated
 
     # ---- entry points (any thread) -------------------------------------------------------------
 
@@ -179,7 +201,11 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plans the next step: applies queued aborts/finishes, then decodes, prefill continuations
         and admissions in that order (see the module docstring). Scheduled tokens count as computed
-        from here on; their full pages enter the prefix cache in update()."""
+        from here on; their full pages enter the prefix cache in update(). At most one earlier plan
+        may still await its update() (async scheduling); raises RuntimeError otherwise."""
+        if self._outstanding > 1:
+            raise RuntimeError(f"{self._outstanding} plans await update(); async scheduling plans one "
+                               "step ahead at most")
         st = _Step(StepPlan(), self.config.max_num_batched_tokens)
         with self._lock:
             incoming, self._incoming = self._incoming, []
@@ -194,6 +220,8 @@ class Scheduler:
                     break
                 if seq.status is not SequenceStatus.RUNNING or seq.fork_pending or seq.seq_id in st.scheduled:
                     continue
+                if seq.num_inflight and seq.num_tokens + seq.num_inflight >= seq.max_len:
+                    continue  # its in-flight token ends it by length: nothing more to compute
                 self._maybe_fork(seq)
                 if (seq.target_len - seq.num_computed_tokens == 1) == decode_phase:
                     self._schedule_seq(seq, st, allow_preempt=True)
@@ -204,7 +232,12 @@ class Scheduler:
         plan.chunks.sort(key=lambda c: len(c.token_ids) != 1)  # stable: 1-token chunks first
         plan.num_tokens = sum(len(c.token_ids) for c in plan.chunks)
         for chunk in plan.chunks:
-            self._seqs[chunk.seq_id].num_computed_tokens += len(chunk.token_ids)
+            seq = self._seqs[chunk.seq_id]
+            plan.owners[chunk.seq_id] = seq
+            seq.num_computed_tokens += len(chunk.token_ids)
+            if chunk.sample:
+                seq.num_inflight += 1
+        self._outstanding += bool(plan.chunks)
         if logger.isEnabledFor(logging.DEBUG):
             decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1)
             logger.debug("step: running=%d waiting=%d tokens=%d (decode %d, prefill %d) preempted=%d "
@@ -216,20 +249,34 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: list[SampledToken]) -> list[TokenEvent]:
         """Appends the sampled tokens (one per chunk with sample=True, in plan order), applies stop
-        conditions, frees finished sequences' pages and returns one TokenEvent per sampled token."""
+        conditions, frees finished sequences' pages and returns one TokenEvent per appended token.
+
+        Plans are updated in the order they were scheduled. A token of a sequence that finished
+        meanwhile (a stop in the previous update, an abort or finish) is discarded without an event;
+        a token of a sequence preempted meanwhile is appended and emitted as usual."""
         if len(sampled) != plan.num_samples:
             raise ValueError(f"expected {plan.num_samples} sampled tokens for this plan, got {len(sampled)}")
+        for chunk, tok in zip((c for c in plan.chunks if c.sample), sampled):
+            if tok.seq_id != chunk.seq_id:
+                raise ValueError(f"sampled token for {tok.seq_id!r} where the plan has {chunk.seq_id!r}")
+        if any(c.seq_id not in plan.owners for c in plan.chunks):
+            raise ValueError("the plan was not made by this scheduler's schedule()")
+        self._outstanding -= bool(plan.chunks)
         events: list[TokenEvent] = []
         it = iter(sampled)
         for chunk in plan.chunks:
-            seq = self._seqs[chunk.seq_id]
-            self._commit(seq)
-            if not chunk.sample:
+            seq = plan.owners[chunk.seq_id]
+            tok = next(it) if chunk.sample else None
+            if tok is not None:
+                seq.num_inflight -= 1
+            if seq.status is SequenceStatus.FINISHED:
+                self.num_discarded_tokens += tok is not None
                 continue
-            tok = next(it)
-            if tok.seq_id != chunk.seq_id:
-                raise ValueError(f"sampled token for {tok.seq_id!r} where the plan has {chunk.seq_id!r}")
+            if tok is None:
+                self._commit(seq)
+                continue
             seq.output_token_ids.append(tok.token_id)
+            self._commit(seq)
             reason = self._stop_reason(seq, tok.token_id)
             events.append(TokenEvent(seq.request.request_id, seq.sample_index, tok.token_id, tok.logprob,
                                      tok.top_logprobs, reason, seq.num_prompt_tokens,
@@ -281,6 +328,8 @@ class Scheduler:
             unit = self._waiting[0]
             if len(self._running) + len(unit) > self.config.max_num_seqs:
                 break
+            if any(seq.num_inflight for seq in unit):
+                break  # preempted while its last token was in flight: recompute once that is known
             leader = unit[0]
             tokens = leader.token_slice(0, leader.num_tokens)  # prompt (+ output when recomputing)
             namespace = self._namespace(leader.request)
@@ -308,6 +357,7 @@ class Scheduler:
 
     def _maybe_fork(self, leader: Sequence) -> None:
         if leader.pending_siblings and leader.num_computed_tokens == leader.num_prompt_tokens - 1:
+            self._commit(leader)  # async: the prefill's update may still be pending; forks copy the keys
             for sib in leader.pending_siblings:
                 self.allocator.fork(leader.seq_id, sib.seq_id)
                 sib.num_computed_tokens = leader.num_computed_tokens
@@ -335,10 +385,16 @@ class Scheduler:
             if victim is seq:
                 return
         copies = alloc.grow(seq.seq_id, start + length, start)
+        stop = start + length
+        known = min(stop, seq.num_tokens)
+        token_ids = seq.token_slice(start, known) if known > start else []
+        if stop > known:  # the token sampled by the step in flight: only ever a 1-token decode
+            assert length == 1 and stop == seq.num_tokens + 1 and seq.num_inflight, (seq.seq_id, start, length)
+            token_ids.append(PENDING_TOKEN)
         chunk = ScheduledChunk(
             seq_id=seq.seq_id, request=seq.request, sample_index=seq.sample_index,
-            token_ids=seq.token_slice(start, start + length), start_pos=start,
-            page_table=list(alloc.page_table(seq.seq_id)), sample=start + length == seq.num_tokens,
+            token_ids=token_ids, start_pos=start,
+            page_table=list(alloc.page_table(seq.seq_id)), sample=stop == seq.num_tokens + seq.num_inflight,
             output_token_ids=seq.output_token_ids)
         st.plan.chunks.append(chunk)
         st.plan.copies.extend(copies)
@@ -382,9 +438,13 @@ class Scheduler:
     # ---- finishing -----------------------------------------------------------------------------
 
     def _commit(self, seq: Sequence) -> None:
-        """Puts seq's newly completed full pages into the prefix cache (their K/V is now computed)."""
+        """Puts seq's newly completed full pages into the prefix cache: pages whose every token is
+        known and whose K/V a dispatched step computes (every scheduled step is dispatched before
+        the update that commits; a reader of the page runs in a later step, after the writer)."""
+        if seq.status is not SequenceStatus.RUNNING or not self.allocator.has_sequence(seq.seq_id):
+            return  # preempted: its pages are gone
         ps = self.allocator.page_size
-        full = seq.num_computed_tokens // ps
+        full = min(seq.num_computed_tokens, seq.num_tokens) // ps
         if self.allocator.enable_prefix_caching and full > self.allocator.num_committed_pages(seq.seq_id):
             self.allocator.commit(seq.seq_id, seq.token_slice(0, full * ps))
 
@@ -405,8 +465,11 @@ class Scheduler:
             self.allocator.free(seq.seq_id)
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:  # a preempted sequence's in-flight token stopped it
+            self._waiting = [u for u in ([s for s in unit if s is not seq] for unit in self._waiting) if u]
         seq.status = SequenceStatus.FINISHED
-        self._seqs.pop(seq.seq_id, None)
+        if self._seqs.get(seq.seq_id) is seq:
+            del self._seqs[seq.seq_id]
         request_id = seq.request.request_id
         if all(s.status is SequenceStatus.FINISHED for s in self._requests[request_id]):
             del self._requests[request_id]
@@ -426,11 +489,6 @@ class Scheduler:
             if survivors:
                 self._hand_over(seq, survivors)
             seq.pending_siblings = []
-            if seq.status is SequenceStatus.WAITING:
-                for unit in self._waiting:
-                    if seq in unit:
-                        unit.remove(seq)
-                self._waiting = [u for u in self._waiting if u]
             if is_abort:
                 plan.finished.append(TokenEvent(request_id, seq.sample_index, None, None, None,
                                                 FinishReason.ABORT, seq.num_prompt_tokens,
@@ -444,6 +502,7 @@ class Scheduler:
         heir.pending_siblings = survivors[1:]
         heir.fork_pending = False
         if self.allocator.has_sequence(leader.seq_id):
+            self._commit(leader)
             self.allocator.fork(leader.seq_id, heir.seq_id)
         heir.num_computed_tokens = leader.num_computed_tokens
         heir.num_cached_prompt_tokens = leader.num_cached_prompt_tokens

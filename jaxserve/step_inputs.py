@@ -6,17 +6,24 @@ are at most S of them, so the logits/sampling row count is S too. Buckets are de
 engine config as (T, S) pairs with S <= T and T <= max_num_batched_tokens, so padding never exceeds
 the step's token budget. Padding rows write to the out-of-bounds slot (dropped) and belong to no
 live sequence (`num_seqs` stops the attention there).
+
+Async scheduling: a decode whose token is still on the device (`PENDING_TOKEN` in the plan) gets
+`prev_sample_row` = its row in the previous step's sampler output; the jitted step reads the id
+from there. Its sampling row counts that token (seed key, min_tokens) without knowing its id, so a
+row that needs the ids themselves (repetition/presence/frequency penalties) cannot take one.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence as SequenceABC
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.sampler import SamplingRow, SamplingTensors
-from jaxserve.scheduler import StepPlan
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import PENDING_TOKEN, ScheduledChunk, StepPlan
 
 
 class StepArrays(NamedTuple):
@@ -29,6 +36,8 @@ class StepArrays(NamedTuple):
     page_tables: np.ndarray    # [S, max_pages_per_seq] int32
     num_seqs: np.ndarray       # [1] int32
     logits_index: np.ndarray   # [S] int32  token rows that sample (padding -> 0)
+    prev_sample_row: np.ndarray  # [T] int32  -1: token_ids holds the id; r >= 0: the id sampled at
+                                 # row r of the previous step (an in-flight token)
 
 
 class StepInputs(NamedTuple):
@@ -60,9 +69,13 @@ class StepInputBuilder:
         self.buckets = declared_buckets(cfg)
         self.pad_slot = num_pages * cfg.page_size
 
-    def build(self, plan: StepPlan) -> StepInputs:
+    def build(self, plan: StepPlan, prev_plan: StepPlan | None = None) -> StepInputs:
         """Every request arrives seeded (the engine draws a seed when the user gave none); sample i
-        of a request uses seed + i, so the n samples differ and each is reproducible."""
+        of a request uses seed + i, so the n samples differ and each is reproducible.
+
+        `prev_plan` is the step dispatched just before this one; it is needed when `plan` has
+        PENDING_TOKEN decodes (their ids are that step's sampled ids). Raises ValueError when a
+        pending token has no row there, or belongs to a row that needs output ids (penalties)."""
         chunks = plan.chunks
         t_bucket, s_bucket = choose_bucket(self.buckets, plan.num_tokens, len(chunks))
         ps = self.cfg.page_size
@@ -74,6 +87,8 @@ class StepInputBuilder:
         seq_lens = np.zeros(s_bucket, np.int32)
         page_tables = np.zeros((s_bucket, self.cfg.max_pages_per_seq), np.int32)
         logits_index = np.zeros(s_bucket, np.int32)
+        prev_row = np.full(t_bucket, -1, np.int32)
+        prev_rows: dict[str, int] | None = None
         rows: list[SamplingRow] = []
         t = 0
         for i, c in enumerate(chunks):
@@ -81,6 +96,13 @@ class StepInputBuilder:
             pos = np.arange(c.start_pos, c.start_pos + n, dtype=np.int32)
             table = np.asarray(c.page_table, np.int32)
             token_ids[t:t + n] = c.token_ids
+            if c.token_ids[-1] == PENDING_TOKEN:  # only ever a 1-token decode
+                if prev_rows is None:
+                    prev_rows = _sample_rows(prev_plan)
+                if c.seq_id not in prev_rows:
+                    raise ValueError(f"{c.seq_id!r} decodes a pending token that the previous step did not sample")
+                token_ids[t + n - 1] = 0
+                prev_row[t + n - 1] = prev_rows[c.seq_id]
             positions[t:t + n] = pos
             token_seq[t:t + n] = i
             slots[t:t + n] = table[pos // ps] * ps + pos % ps
@@ -91,11 +113,60 @@ class StepInputBuilder:
             if c.sample:
                 logits_index[len(rows)] = t - 1
                 rows.append(SamplingRow(c.request.params, c.request.params.seed + c.sample_index,
-                                        c.request.prompt_token_ids, c.output_token_ids,
+                                        c.request.prompt_token_ids, _outputs_before_sample(c),
                                         c.request.eos_token_ids))
         cu[len(chunks) + 1:] = t
         arrays = StepArrays(token_ids, positions, token_seq, slots, cu, seq_lens, page_tables,
-                            np.array([len(chunks)], np.int32), logits_index)
+                            np.array([len(chunks)], np.int32), logits_index, prev_row)
         sampling = SamplingTensors.from_rows(rows, s_bucket, self.vocab_size)
         copies = np.asarray(plan.copies, np.int32).reshape(-1, 2)
         return StepInputs(arrays, sampling, len(rows), copies)
+
+
+def needs_output_ids(params: SamplingParams) -> bool:
+    """Whether sampling this row reads its output token ids (not only their count)."""
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
+
+
+def _sample_rows(plan: StepPlan | None) -> dict[str, int]:
+    """seq_id -> row of the plan's sampler output."""
+    if plan is None:
+        return {}
+    return {c.seq_id: i for i, c in enumerate(c for c in plan.chunks if c.sample)}
+
+
+def _outputs_before_sample(c: ScheduledChunk) -> Sequence[int]:
+    """The output tokens before the one this chunk samples. With async scheduling the live list
+    lags by the in-flight tokens; their count is known from the positions, their ids are not."""
+    count = c.start_pos + len(c.token_ids) - len(c.request.prompt_token_ids)
+    live = c.output_token_ids
+    if count == len(live):
+        return live
+    if needs_output_ids(c.request.params):
+        raise ValueError(f"{c.seq_id!r} samples with penalties over {count - len(live)} output token(s) "
+                         "still in flight; the engine must finish the previous step first")
+    return _PendingOutputs(live, count)
+
+
+class _PendingOutputs(SequenceABC):
+    """`live` followed by in-flight tokens of unknown id (-1): right length, ids never read."""
+
+    def __init__(self, live: list[int], count: int) -> None:
+        self._live = live
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return list(self)[i]
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._live
+        yield from [-1] * (self._count - len(self._live))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.full(self._count, -1, dtype or np.int64)
+        out[: len(self._live)] = self._live
+        return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -17,6 +18,12 @@ def model(tmp_path_factory):
     return cfg, weights
 
 
+@pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
+def make(request, model):
+    """make(**engine_overrides) -> a warmed-up EngineCore; every test runs with and without async scheduling."""
+    return functools.partial(make_core, *model, async_scheduling=request.param)
+
+
 def _assert_idle(core):
     alloc = core.allocator
     alloc.check_invariants()
@@ -30,8 +37,8 @@ def _random_requests(seed: int, count: int):
             for i in range(count)]
 
 
-def _alone(model, requests):
-    core = make_core(*model)
+def _alone(make, requests):
+    core = make()
     out = {}
     for r in requests:
         out.update(run_all(core, [r]))
@@ -39,10 +46,10 @@ def _alone(model, requests):
     return out
 
 
-def test_continuous_batching_with_random_arrivals_equals_run_alone(model):
+def test_continuous_batching_with_random_arrivals_equals_run_alone(make):
     requests = _random_requests(0, 14)
-    alone = _alone(model, requests)
-    core = make_core(*model)
+    alone = _alone(make, requests)
+    core = make()
     rng = random.Random(1)
     pending = list(requests)
     out: dict = {}
@@ -58,11 +65,11 @@ def test_continuous_batching_with_random_arrivals_equals_run_alone(model):
     _assert_idle(core)
 
 
-def test_preemption_under_a_small_pool_keeps_every_output(model):
+def test_preemption_under_a_small_pool_keeps_every_output(make):
     requests = _random_requests(2, 10)
-    alone = _alone(model, requests)
+    alone = _alone(make, requests)
     # 24 pages of 4 tokens: far less than 10 requests of up to 56 tokens need at once.
-    core = make_core(*model, num_kv_pages=24, max_model_len=64)
+    core = make(num_kv_pages=24, max_model_len=64)
     finishes = []
     out = {}
     for r in requests:
@@ -79,14 +86,14 @@ def test_preemption_under_a_small_pool_keeps_every_output(model):
     _assert_idle(core)
 
 
-def test_prefix_cache_computes_only_the_suffix(model):
-    core = make_core(*model, num_kv_pages=96, max_model_len=96, max_num_batched_tokens=32)
+def test_prefix_cache_computes_only_the_suffix(make):
+    core = make(num_kv_pages=96, max_model_len=96, max_num_batched_tokens=32)
     prefix = [random.Random(3).randrange(1, 96) for _ in range(64)]
     first = run_all(core, [Request("a", prefix + [5, 6, 7], greedy(4))])
     before = core.num_prefill_tokens
     second = run_all(core, [Request("b", prefix + [9, 9, 1, 2], greedy(4))])
     assert core.num_prefill_tokens - before == 4  # 64 cached tokens (16 full pages) skipped
-    fresh = make_core(*model)
+    fresh = make()
     assert second == run_all(fresh, [Request("b", prefix + [9, 9, 1, 2], greedy(4))])
     # A different salt never shares the other tenant's pages.
     before = core.num_prefill_tokens
@@ -96,25 +103,25 @@ def test_prefix_cache_computes_only_the_suffix(model):
     _assert_idle(core)
 
 
-def test_seeded_request_is_identical_alone_in_a_batch_and_after_preemption(model):
+def test_seeded_request_is_identical_alone_in_a_batch_and_after_preemption(make):
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=1234, ignore_eos=True)
     prompt = [3, 14, 15, 92, 65, 35]
-    core = make_core(*model)
+    core = make()
     alone = run_all(core, [Request("s", prompt, params)])["s"][0]
     for position in (0, 5, 15):
         others = [Request(f"o{i}", [i + 1, 2, 3], SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True))
                   for i in range(15)]
         batch = others[:position] + [Request("s", prompt, params)] + others[position:]
         assert run_all(core, batch)["s"][0] == alone
-    small = make_core(*model, num_kv_pages=14, max_model_len=48)
+    small = make(num_kv_pages=14, max_model_len=48)
     batch = [Request(f"p{i}", [i + 1] * 20, greedy(20)) for i in range(3)] + [Request("s", prompt, params)]
     got = run_all(small, batch)
     assert small.stats().num_preemptions > 0
     assert got["s"][0] == alone
 
 
-def test_n_samples_share_prompt_pages_and_differ(model):
-    core = make_core(*model)
+def test_n_samples_share_prompt_pages_and_differ(make):
+    core = make()
     prompt = list(range(1, 31))  # 30 tokens: 7 full pages + a partial one
     peak = []
 
@@ -131,8 +138,8 @@ def test_n_samples_share_prompt_pages_and_differ(model):
     _assert_idle(core)
 
 
-def test_abort_frees_pages_at_the_next_step(model):
-    core = make_core(*model)
+def test_abort_frees_pages_at_the_next_step(make):
+    core = make()
     core.add_request(Request("long", list(range(1, 20)), greedy(60)))
     for _ in range(3):
         core.step()

@@ -29,13 +29,15 @@ def core(qwen3):
     return make_core(*qwen3)
 
 
-@pytest.mark.parametrize("variant", ["qwen3-qknorm", "mistral-window", "llama-rope-dynamic"])
-def test_chunked_paged_greedy_equals_unpaged(variant, tmp_path):
+@pytest.mark.parametrize("variant, async_scheduling", [
+    ("qwen3-qknorm", True), ("mistral-window", True), ("llama-rope-dynamic", True), ("qwen3-qknorm", False)])
+def test_chunked_paged_greedy_equals_unpaged(variant, async_scheduling, tmp_path):
     # max_num_batched_tokens=8 splits the 47-token prompt into 6 chunks; the window (8) and the
     # dynamic-RoPE length (24) are crossed inside the paged cache.
     cfg, weights, _ = tiny_model(tmp_path, variant, seed=5)
     core = make_core(cfg, weights, max_num_batched_tokens=8, token_buckets=(8,), seq_buckets=(4, 8),
-                     max_num_seqs=4, max_model_len=64 if variant != "llama-rope-dynamic" else 24 + 40)
+                     max_num_seqs=4, max_model_len=64 if variant != "llama-rope-dynamic" else 24 + 40,
+                     async_scheduling=async_scheduling)
     prompts = PROMPTS if variant != "llama-rope-dynamic" else [PROMPTS[0]]  # dynamic RoPE: HF is batch-dependent
     out = run_all(core, [Request(f"r{i}", p, greedy(12)) for i, p in enumerate(prompts)])
     expected = greedy_generate(weights, cfg, prompts, 12)
@@ -112,7 +114,8 @@ def test_kv_pages_are_donated_and_never_copied(qwen3):
         arrays = _dummy_arrays(8, 8, c.engine_cfg.max_pages_per_seq, num_pages * c.engine_cfg.page_size)
         from jaxserve.model_runner import _forward_step
         compiled = _forward_step.lower(c.runner.weights, kv=c.runner.kv, arrays=c.runner._put(arrays),
-                                       cfg=cfg, attention_fn=c.runner._attention).compile()
+                                       cfg=cfg, attention_fn=c.runner._attention,
+                                       prev_ids=c.runner._prev_ids).compile()
         return compiled.memory_analysis(), kv_cache.page_bytes(cfg, 4, jnp.float32) * num_pages
 
     small, small_pool = step_memory(32)

@@ -11,7 +11,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import FinishReason, Request
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import SampledToken, Scheduler, StepPlan
+from jaxserve.scheduler import PENDING_TOKEN, SampledToken, Scheduler, StepPlan
 
 EOS = 0
 
@@ -425,3 +425,111 @@ def test_one_debug_line_per_step(caplog):
     assert len(lines) == 2
     assert "running=1" in lines[0] and "tokens=3" in lines[0] and "preempted=0" in lines[0]
     assert "cache_hit_tokens=0" in lines[0]
+
+
+# ---- async scheduling (schedule n+1 before update n) --------------------------------------------
+
+def sampled_for(plan: StepPlan, model=fake_token) -> list[SampledToken]:
+    return [SampledToken(c.seq_id, model(c.seq_id, c.start_pos + len(c.token_ids))) for c in plan.chunks if c.sample]
+
+
+def run_async(s: Scheduler, max_steps: int = 500, model=fake_token) -> list[tuple[StepPlan, list]]:
+    """Steps as the async engine does: plan step n+1, then update step n. Returns (plan n+1,
+    events of update n) per step."""
+    history, inflight = [], None
+    for _ in range(max_steps):
+        if not (s.has_work() or inflight):
+            return history
+        plan = s.schedule()
+        events = list(plan.finished)
+        if inflight is not None:
+            events += s.update(inflight, sampled_for(inflight, model))
+        s.allocator.check_invariants()
+        history.append((plan, events))
+        inflight = plan if plan.chunks else None
+    raise AssertionError("scheduler did not drain")
+
+
+def test_async_plans_the_next_decode_on_the_in_flight_token_and_not_past_the_length():
+    s = make(num_pages=16, page_size=4)
+    s.add(req("a", [1, 2, 3], max_tokens=3))
+    p0 = s.schedule()                      # the prompt: samples output 1 (position 3)
+    p1 = s.schedule()                      # step 0 is still in flight: decode its token anyway
+    (c,) = p1.chunks
+    assert (c.token_ids, c.start_pos, c.sample, c.output_token_ids) == ([PENDING_TOKEN], 3, True, [])
+    assert [e.token_id for e in s.update(p0, sampled_for(p0))] == [fake_token("a#0", 3)]
+    p2 = s.schedule()                      # output 2 in flight; output 3 (the last) still needs this
+    assert [(c.token_ids, c.start_pos) for c in p2.chunks] == [([PENDING_TOKEN], 4)]
+    s.update(p1, sampled_for(p1))
+    p3 = s.schedule()                      # the in-flight output 3 ends it by length: nothing to plan
+    assert p3.chunks == []
+    (last,) = s.update(p2, sampled_for(p2))
+    assert last.finish_reason is FinishReason.LENGTH and not s.has_work()
+    assert s.allocator.num_free_pages == 16
+    s.add(req("b", [1, 2, 3], max_tokens=3))
+    assert tokens_of(e for _, ev in run_async(s) for e in ev) == run_alone(req("b", [1, 2, 3], max_tokens=3))
+
+
+def test_async_stop_at_step_n_discards_the_step_n_plus_1_token_and_frees_the_pages():
+    s = make(num_pages=16, page_size=4)
+    s.add(req("a", [1, 2, 3], max_tokens=10))
+    p0 = s.schedule()
+    p1 = s.schedule()
+    (e,) = s.update(p0, [SampledToken("a#0", EOS)])
+    assert e.finish_reason is FinishReason.STOP
+    assert s.allocator.num_free_pages == 16  # freed although step 1 still writes them (see scheduler.py)
+    # The id is free again while step 1 is in flight; the new request must not receive its token.
+    s.add(req("a", [7, 8, 9, 10, 11], max_tokens=2))
+    p2 = s.schedule()
+    assert [c.token_ids for c in p2.chunks] == [[7, 8, 9, 10, 11]]
+    assert s.update(p1, [SampledToken("a#0", 42)]) == [] and s.num_discarded_tokens == 1
+    (e,) = s.update(p2, [SampledToken("a#0", 43)])
+    assert (e.token_id, e.num_prompt_tokens, e.finish_reason) == (43, 5, None)
+
+
+def test_async_preempted_sequence_keeps_its_in_flight_token():
+    # 4 pages of 2 tokens; each request grows to 6 tokens (3 pages): the newer one is preempted
+    # while its token is in flight, and that token is still emitted and then recomputed.
+    s = make(num_pages=4, page_size=2, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16)
+    reqs = [req("a", [1, 2], max_tokens=4), req("b", [3, 4], max_tokens=4)]
+    for r in reqs:
+        s.add(r)
+    history = run_async(s)
+    hit = [i for i, (plan, _) in enumerate(history) if "b#0" in plan.preempted]
+    assert hit
+    # the update that follows the preempting schedule still emits b's in-flight token
+    assert any(e.request_id == "b" and e.token_id is not None for e in history[hit[0]][1])
+    out: dict = {}
+    for _, events in history:
+        for e in events:
+            out.setdefault(e.request_id, []).append(e)
+    for r in reqs:
+        assert tokens_of(out[r.request_id]) == run_alone(r)
+        assert [e.finish_reason for e in out[r.request_id]].count(FinishReason.LENGTH) == 1
+    assert s.allocator.num_free_pages == 4
+
+
+def test_async_abort_with_a_token_in_flight_emits_only_the_abort():
+    s = make(num_pages=16, page_size=4)
+    s.add(req("a", [1, 2, 3], max_tokens=10))
+    p0 = s.schedule()
+    p1 = s.schedule()
+    s.update(p0, sampled_for(p0))
+    s.abort("a")
+    p2 = s.schedule()
+    assert [(e.request_id, e.finish_reason) for e in p2.finished] == [("a", FinishReason.ABORT)]
+    assert p2.chunks == [] and s.allocator.num_free_pages == 16
+    assert s.update(p1, sampled_for(p1)) == [] and not s.has_work()
+
+
+def test_schedule_plans_at_most_one_step_ahead():
+    s = make()
+    for rid in ("a", "b", "c"):
+        s.add(req(rid, [1, 2, 3], max_tokens=8))
+    p0 = s.schedule()
+    p1 = s.schedule()
+    with pytest.raises(RuntimeError, match="2 plans await update"):
+        s.schedule()
+    s.update(p0, sampled_for(p0))
+    assert [c.token_ids for c in s.schedule().chunks] == [[PENDING_TOKEN]] * 3  # the tokens of p1
+    assert p1.chunks

@@ -1,14 +1,23 @@
 """Property test: random submit / abort / finish / step sequences against the scheduler + allocator,
 with a deterministic stand-in for the model (token = function of (seq_id, position)).
 
+Driven synchronously (schedule n, update n) or asynchronously as the engine does (schedule n+1
+while step n is in flight, then update n; a "sync" op finishes the step in flight first). A
+simulated device pool runs every step when it is dispatched, in order: page copies, then each
+chunk's K/V writes (an in-flight token is written as the id the device sampled), then every chunk
+reads its whole context back and must find its own tokens -- so a page reused while an earlier
+step still wrote into it, or a prefix-cache page whose content does not match its tokens, fails.
+
 After every step: allocator invariants, token budget, seq limit, every chunk computes exactly the
-next tokens of its sequence into pages only it holds. At the end: every sample finished exactly once,
+next tokens of its sequence into pages only it holds, and every sampled token yields exactly one
+event unless its sample had already finished. At the end: every sample finished exactly once,
 nothing lost or duplicated, all pages back, and every sample's output equals its run-alone output.
 """
 
 import dataclasses
 import zlib
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +25,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import FinishReason, Request
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import SampledToken, Scheduler
+from jaxserve.scheduler import PENDING_TOKEN, SampledToken, Scheduler, StepPlan
 
 EOS = 0
 MAX_MODEL_LEN = 48
@@ -64,13 +73,19 @@ def run_alone(setup: Setup, request: Request) -> dict[int, list[int]]:
 class Harness:
     """Drives a Scheduler and keeps an independent shadow of what every sample has emitted."""
 
-    def __init__(self, setup: Setup) -> None:
+    def __init__(self, setup: Setup, async_mode: bool = False) -> None:
         self.setup = setup
+        self.async_mode = async_mode
         self.s = make(setup)
         self.requests: dict[str, Request] = {}
         self.outputs: dict[tuple[str, int], list[int]] = {}
         self.terminal: dict[tuple[str, int], list[FinishReason]] = {}
         self.cut: set[tuple[str, int]] = set()  # finish()ed by the caller: output may stop early
+        self.cut_requested: set[tuple[str, int]] = set()  # applied by the next schedule()
+        self.cut_applied: set[tuple[str, int]] = set()
+        self.inflight: StepPlan | None = None  # async: dispatched, not yet updated
+        self.pool: dict[int, list[int | None]] = {}  # simulated device: page -> token whose K/V each slot holds
+        self.limit = min(MAX_MODEL_LEN, setup.num_pages * setup.page_size)  # context limit (max_tokens None)
 
     def submit(self, request: Request) -> None:
         total = len(request.prompt_token_ids) + (request.params.max_tokens or 1)
@@ -93,11 +108,24 @@ class Harness:
         for i in range(n) if sample_index is None else [sample_index]:
             if i < n:
                 self.cut.add((request_id, i))
+                self.cut_requested.add((request_id, i))
+
+    def has_work(self) -> bool:
+        return self.s.has_work() or self.inflight is not None
+
+    def sync(self) -> None:
+        """Finishes the step in flight (what the engine does before a step with penalty rows)."""
+        if self.inflight is not None:
+            plan, self.inflight = self.inflight, None
+            self.update(plan)
 
     def step(self) -> None:
         s, alloc, ps = self.s, self.s.allocator, self.setup.page_size
         plan = s.schedule()
+        self.cut_applied |= self.cut_requested
+        self.cut_requested = set()
         alloc.check_invariants()
+        in_flight = {c.seq_id for c in self.inflight.chunks if c.sample} if self.inflight else set()
         assert plan.num_tokens == sum(len(c.token_ids) for c in plan.chunks) <= self.setup.budget
         assert s.stats().num_running <= self.setup.max_num_seqs
         lengths = [len(c.token_ids) for c in plan.chunks]
@@ -109,9 +137,16 @@ class Harness:
             assert not self.terminal[key], f"{c.seq_id} scheduled after it finished"
             full = c.request.prompt_token_ids + self.outputs[key]
             end = c.start_pos + len(c.token_ids)
-            assert c.token_ids and c.token_ids == full[c.start_pos:end]
+            pending = int(c.seq_id in in_flight)  # its token sampled by the step in flight
+            expected = full[c.start_pos:end] + [PENDING_TOKEN] * (end - max(len(full), c.start_pos))
+            assert c.token_ids and c.token_ids == expected
+            if end > len(full):  # a placeholder only for the one in-flight token, in a decode
+                assert pending and len(c.token_ids) == 1 and end == len(full) + 1
+            # the last token is sampled, never computed: a sequence sure to stop is not planned past it
+            max_tokens = c.request.params.max_tokens
+            assert end < (len(c.request.prompt_token_ids) + max_tokens if max_tokens else self.limit)
             assert c.output_token_ids == self.outputs[key]
-            assert c.sample == (end == len(full))
+            assert c.sample == (end == len(full) + pending)
             assert c.page_table == alloc.page_table(c.seq_id) and len(c.page_table) == -(-end // ps)
             for page in c.page_table[c.start_pos // ps:]:
                 assert alloc.ref_count(page) == 1, f"{c.seq_id} writes into shared page {page}"
@@ -124,11 +159,42 @@ class Harness:
         for e in plan.finished:
             assert e.finish_reason is FinishReason.ABORT and e.token_id is None
             self.terminal[(e.request_id, e.sample_index)].append(e.finish_reason)
+        self.dispatch(plan)
+        if not self.async_mode:
+            self.update(plan)
+            return
+        prev, self.inflight = self.inflight, (plan if plan.chunks else None)
+        if prev is not None:
+            self.update(prev)
+
+    def dispatch(self, plan: StepPlan) -> None:
+        """The simulated device runs the step now: steps run in dispatch order, as on the device."""
+        ps = self.setup.page_size
+        for src, dst in plan.copies:
+            self.pool[dst] = list(self.pool.get(src, [None] * ps))
+        for c in plan.chunks:
+            for i, tok in enumerate(c.token_ids):
+                pos = c.start_pos + i
+                if tok == PENDING_TOKEN:  # the id the previous step sampled, read on the device
+                    tok = model(c.seq_id, pos)
+                self.pool.setdefault(c.page_table[pos // ps], [None] * ps)[pos % ps] = tok
+        for c in plan.chunks:  # attention: every chunk reads its context (cached + this step's)
+            full = c.request.prompt_token_ids + self.outputs[(c.request.request_id, c.sample_index)]
+            for pos in range(c.start_pos):
+                got = self.pool.get(c.page_table[pos // ps], [None] * ps)[pos % ps]
+                assert got == full[pos], f"{c.seq_id} reads {got} at position {pos}, wrote {full[pos]}"
+
+    def update(self, plan: StepPlan) -> None:
+        alloc = self.s.allocator
         sampled = [SampledToken(c.seq_id, model(c.seq_id, c.start_pos + len(c.token_ids)))
                    for c in plan.chunks if c.sample]
-        events = s.update(plan, sampled)
+        # a token of a sample that finished (stop, abort, finish) before this update is dropped
+        owner = {c.seq_id: (c.request.request_id, c.sample_index) for c in plan.chunks}
+        expected = [(owner[t.seq_id], t.token_id) for t in sampled
+                    if not self.terminal[owner[t.seq_id]] and owner[t.seq_id] not in self.cut_applied]
+        events = self.s.update(plan, sampled)
         alloc.check_invariants()
-        assert len(events) == len(sampled)
+        assert [((e.request_id, e.sample_index), e.token_id) for e in events] == expected
         for e in events:
             key = (e.request_id, e.sample_index)
             assert not self.terminal[key], f"{key} emitted after its finish"
@@ -138,10 +204,10 @@ class Harness:
 
     def drain_and_check(self, max_steps: int = 3000) -> None:
         for _ in range(max_steps):
-            if not self.s.has_work():
+            if not self.has_work():
                 break
             self.step()
-        assert not self.s.has_work(), "scheduler did not drain (livelock)"
+        assert not self.has_work(), "scheduler did not drain (livelock)"
         alloc = self.s.allocator
         assert alloc.num_free_pages == alloc.num_pages and not alloc._tables
         for key, reasons in self.terminal.items():
@@ -173,11 +239,12 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("abort"), st.integers(0, 50)),
     st.tuples(st.just("finish"), st.integers(0, 50), st.one_of(st.none(), st.integers(0, 2))),
     st.tuples(st.just("step"), st.integers(1, 4)), st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("sync")),
 ), min_size=4, max_size=40)
 
 
-def play(setup: Setup, operations: list[tuple]) -> Harness:
-    h = Harness(setup)
+def play(setup: Setup, operations: list[tuple], async_mode: bool = False) -> Harness:
+    h = Harness(setup, async_mode)
     for k, op in enumerate(operations):
         if op[0] == "submit":
             _, prefix, plen, tail, max_tokens, n, salt, priority, min_tokens, ignore_eos = op
@@ -195,20 +262,23 @@ def play(setup: Setup, operations: list[tuple]) -> Harness:
         elif op[0] == "step":
             for _ in range(op[1]):
                 h.step()
+        elif op[0] == "sync":
+            h.sync()
     h.drain_and_check()
     return h
 
 
-@settings(max_examples=200, deadline=None, derandomize=True,
+@settings(max_examples=300, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(setup=setups, operations=ops)
-def test_random_workloads_keep_every_invariant(setup: Setup, operations: list[tuple]) -> None:
-    play(setup, operations)
+@given(setup=setups, operations=ops, async_mode=st.booleans())
+def test_random_workloads_keep_every_invariant(setup: Setup, operations: list[tuple], async_mode: bool) -> None:
+    play(setup, operations, async_mode)
 
 
-def test_tiny_pool_preempts_and_outputs_still_match_run_alone():
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
+def test_tiny_pool_preempts_and_outputs_still_match_run_alone(async_mode):
     setup = Setup(page_size=2, num_pages=8, max_num_seqs=4, budget=8, policy="fcfs", caching=True)
     operations = [("submit", i % 2, 4, [i + 1, i + 2], 8, 1 + i % 2, None, 0, 0, True) for i in range(5)]
-    h = play(setup, operations)
+    h = play(setup, operations, async_mode)
     assert h.s.stats().num_preemptions > 0
     assert all(len(out) == 8 for out in h.outputs.values())  # ignore_eos: everyone runs to max_tokens

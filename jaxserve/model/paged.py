@@ -2,6 +2,8 @@
 
 Each layer writes its new K/V into the pool at `slot_mapping` and then runs ragged paged attention
 over the sequences' page tables. Logits are computed only for `logits_index` rows.
+A token row with `prev_sample_row >= 0` takes its id from `prev_ids` (the previous step's sampled
+ids, still on the device): async scheduling plans a decode before its token reaches the host.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve import kv_cache
 from jaxserve.config import ModelConfig
@@ -17,9 +20,13 @@ from jaxserve.model.weights import Weights
 
 
 def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arrays: Any,
-                  attention_fn: Callable[..., jax.Array]) -> tuple[jax.Array, kv_cache.KVPages]:
-    """arrays: a StepArrays of device arrays. Returns (logits [S, Vp] float32, updated pages)."""
+                  attention_fn: Callable[..., jax.Array],
+                  prev_ids: jax.Array) -> tuple[jax.Array, kv_cache.KVPages]:
+    """arrays: a StepArrays of device arrays; prev_ids: [max_num_seqs] int32, the previous step's
+    sampled ids. Returns (logits [S, Vp] float32, updated pages)."""
     scale = cfg.head_dim ** -0.5
+    pending = arrays.prev_sample_row >= 0                                          # [T]
+    token_ids = jnp.where(pending, prev_ids[jnp.where(pending, arrays.prev_sample_row, 0)], arrays.token_ids)
     seq_len_per_token = arrays.seq_lens[arrays.token_seq]
 
     def attend(i, q, k, v, layer_kv):
@@ -28,7 +35,7 @@ def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arra
                            arrays.num_seqs, sm_scale=scale, sliding_window=cfg.layer_windows[i])
         return out, (k_pages, v_pages)
 
-    logits, layers = forward(weights, cfg, arrays.token_ids, arrays.positions, attend,
+    logits, layers = forward(weights, cfg, token_ids, arrays.positions, attend,
                              list(zip(kv.k, kv.v)), logits_index=arrays.logits_index,
                              seq_lens_per_token=seq_len_per_token)
     return logits, kv_cache.KVPages(k=[k for k, _ in layers], v=[v for _, v in layers])

@@ -103,7 +103,11 @@ async def _generate(state: ServerState, request: Request, parse: Callable[..., A
     # Tokenization / chat templates can take milliseconds for long prompts: off the event loop, one
     # at a time (a HF fast tokenizer may raise "Already borrowed" under concurrent use).
     gen = await run_in_threadpool(_locked, state, parse, body)
-    if engine.num_waiting >= state.max_waiting:
+    new_sequences = len(gen.prompts) * gen.params.n
+    if new_sequences > state.max_waiting:
+        raise bad_request(f"this request needs {new_sequences} sequences (prompts x n); at most "
+                          f"{state.max_waiting} may wait at once", "n")
+    if engine.num_waiting + new_sequences > state.max_waiting:
         raise overloaded(state.max_waiting)
     resp, runs = generation.submit(state, gen, arrival)
     if gen.stream:

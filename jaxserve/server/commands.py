@@ -74,5 +74,6 @@ def bench(argv: list[str]) -> int:
     spec = importlib.util.spec_from_file_location("jaxserve_bench_serving", BENCH_SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses in the script look their module up there
     spec.loader.exec_module(module)
     return int(module.main(argv) or 0)

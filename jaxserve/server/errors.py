@@ -43,7 +43,7 @@ def too_large(limit: int) -> APIError:
 
 
 def overloaded(limit: int) -> APIError:
-    return APIError(429, f"the server's waiting queue is full ({limit} waiting); retry later",
+    return APIError(429, f"the server's waiting queue is full (at most {limit} waiting sequences); retry later",
                     "rate_limit_error", None, "rate_limit_exceeded")
 
 

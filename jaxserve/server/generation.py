@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
@@ -26,16 +26,20 @@ from jaxserve.server.streaming import SSE_DONE, RequestRun, RequestTimeout, merg
 
 
 class SSEResponse(StreamingResponse):
-    """text/event-stream whose body generator is always closed (so its `finally` aborts the engine
-    request) when the client goes away mid-stream."""
+    """text/event-stream that always runs `on_close` (which aborts unfinished engine requests) when
+    the response ends, also when the client went away before the body generator even started."""
 
-    def __init__(self, body: AsyncIterator[str]) -> None:
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
         super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
 
     async def stream_response(self, send: Send) -> None:
-        async with contextlib.aclosing(self.body_iterator):  # type: ignore[type-var]
-            await super().stream_response(send)
+        try:
+            async with contextlib.aclosing(self.body_iterator):  # type: ignore[type-var]
+                await super().stream_response(send)
+        finally:
+            self._on_close()  # synchronous: this may run in a cancelled task
 
 
 @dataclasses.dataclass
@@ -88,7 +92,7 @@ def _usage(runs: list[RequestRun]) -> dict:
 
 def stream(state: ServerState, gen: GenerationRequest, resp: _Response, runs: list[RequestRun]) -> SSEResponse:
     body = _completion_events if gen.kind == "completion" else _chat_events
-    return SSEResponse(body(state, gen, resp, runs))
+    return SSEResponse(body(state, gen, resp, runs), lambda: _close(runs))
 
 
 async def _completion_events(state: ServerState, gen: GenerationRequest, resp: _Response,

@@ -244,18 +244,18 @@ def _check_lengths(prompts: list[list[int]], max_tokens: int | None, ctx: ModelC
                               f"exceeds max_model_len ({ctx.max_model_len})", param, "context_length_exceeded")
 
 
-def _finish(kind: Literal["completion", "chat"], body: dict, ctx: ModelContext, prompts: list[list[int]],
-            max_tokens: int | None, logprobs: int | None, max_tokens_name: str) -> GenerationRequest:
+def _common(kind: Literal["completion", "chat"], body: dict, ctx: ModelContext, max_tokens: int | None,
+            logprobs: int | None) -> GenerationRequest:
+    """Every field but the prompt (validated first: they are cheap, tokenization is not)."""
     model = _model(body, ctx)
     params = _sampling(body, ctx, max_tokens, logprobs)
     stream, include_usage = _stream_flags(body)
-    _str(body, "user")
+    _str(body, "user")  # accepted and ignored, but it must be a string
     salt = _str(body, "cache_salt")
     if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
         raise bad_request(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
                           "cache_salt")
-    _check_lengths(prompts, max_tokens, ctx, max_tokens_name)
-    return GenerationRequest(kind, model, prompts, params, stream, include_usage,
+    return GenerationRequest(kind, model, [], params, stream, include_usage,
                              priority=_int(body, "priority", 0, INT64_MIN, INT64_MAX), cache_salt=salt,
                              include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False))
 
@@ -273,13 +273,15 @@ def parse_completion(body: dict[str, Any], ctx: ModelContext) -> GenerationReque
     else:
         max_tokens = _int(body, "max_tokens", 16, 1)  # OpenAI's default for completions
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    prompts = _completion_prompts(body, ctx)
-    return _finish("completion", body, ctx, prompts, max_tokens, logprobs, "max_tokens")
+    if body.get("prompt") is None:
+        raise bad_request("'prompt' is required", "prompt")
+    gen = _common("completion", body, ctx, max_tokens, logprobs)
+    gen.prompts = _completion_prompts(body, ctx)
+    _check_lengths(gen.prompts, max_tokens, ctx, "max_tokens")
+    return gen
 
 
 def _completion_prompts(body: dict, ctx: ModelContext) -> list[list[int]]:
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad_request("'prompt' is required", "prompt")
     prompt = body["prompt"]
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
@@ -329,10 +331,13 @@ def parse_chat(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
                                            k in _RESERVED_TEMPLATE_KWARGS for k in kwargs):
         raise bad_request("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
     add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    gen = _common("chat", body, ctx, max_tokens, logprobs)
     try:
         ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), "messages") from None
     if not ids:
         raise bad_request("'messages' render to zero tokens", "messages")
-    return _finish("chat", body, ctx, [ids], max_tokens, logprobs, name)
+    gen.prompts = [ids]
+    _check_lengths(gen.prompts, max_tokens, ctx, name)
+    return gen

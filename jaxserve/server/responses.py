@@ -46,9 +46,9 @@ class TokenStrings:
         self._decode = decode
         self._to_tokens = to_tokens
         self._alphabet = _byte_level_alphabet()
+        self.get = functools.lru_cache(maxsize=65536)(self._get)
 
-    @functools.lru_cache(maxsize=65536)
-    def get(self, token_id: int) -> tuple[str, bytes]:
+    def _get(self, token_id: int) -> tuple[str, bytes]:
         text = self._decode([token_id])
         piece = self._to_tokens([token_id])[0]
         if piece and all(c in self._alphabet for c in piece):

@@ -36,7 +36,6 @@ class ChoiceDelta:
     text: str                       # new text (may be empty: held back by the detokenizer)
     logprobs: list[TokenLogprob]    # this event's token, when logprobs were requested
     finish_reason: str | None       # set on the choice's last delta
-    has_token: bool                 # the event carried a token
 
 
 @dataclasses.dataclass
@@ -124,7 +123,7 @@ class RequestRun:
         if finish is not None:
             sample.finish_reason = finish
             self._req_metrics.finished(i, finish)
-        return ChoiceDelta(self.choice_offset + i, text, logprobs, finish, event.token_id is not None)
+        return ChoiceDelta(self.choice_offset + i, text, logprobs, finish)
 
     def _close(self, open_samples: set[int]) -> None:
         """Synchronous on purpose: it may run inside a cancelled task, where awaiting is not possible."""

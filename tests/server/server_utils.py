@@ -75,8 +75,13 @@ class LiveServer:
             time.sleep(0.05)
 
     def stop(self) -> None:
+        """Stops the server; raises if the engine thread died while it ran (which would explain
+        every later failure of the module)."""
         self.server.should_exit = True
         self.thread.join(60)
+        engine = self.state.engine
+        if engine is not None and engine.error is not None:
+            raise AssertionError(f"the engine thread failed during this module: {engine.error!r}")
 
 
 def start_server(loaded_model: tuple[Any, Any, Path], **config: Any) -> LiveServer:

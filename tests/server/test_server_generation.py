@@ -146,6 +146,14 @@ def test_list_prompt_choices_are_indexed_prompt_times_n_plus_sample(live, client
     both = client.completions.create(model=MODEL, prompt=[ids, tokenizer.encode(other)], max_tokens=4,
                                      temperature=0, extra_body={"ignore_eos": True})
     assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == singles
+    # Streamed, the two prompts' chunks interleave; each choice still reassembles to its text.
+    chunks = stream_events(live, "/v1/completions", {"model": MODEL, "prompt": [PROMPT, other], "max_tokens": 4,
+                                                     **GREEDY, "stream_options": {"include_usage": True}})
+    streamed = {0: "", 1: ""}
+    for c in chunks[:-1]:
+        streamed[c["choices"][0]["index"]] += c["choices"][0]["text"]
+    assert streamed == {0: singles[0], 1: singles[1]}
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
 
 
 def test_completion_logprobs_greedy_token_is_the_most_likely(live, client):
@@ -280,3 +288,10 @@ def test_100_concurrent_streams_match_their_sequential_greedy_output(live, clien
     assert results == [expected[prompts[i % 5]] for i in range(100)]
     m = live.wait_idle(timeout=30)
     assert m["jaxserve:kv_cache_usage_perc"] == 0
+
+
+def test_request_the_engine_can_never_run_is_a_400(live):
+    """n above max_num_seqs passes the field checks but is refused by the engine at submit."""
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "n": 17}, timeout=60)
+    assert r.status_code == 400
+    assert "max_num_seqs" in r.json()["error"]["message"]
