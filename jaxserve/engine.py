@@ -186,7 +186,7 @@ class RequestStream:
         self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.loop = loop
         self._open = request.params.n         # samples not yet finished, as the consumer sees them
-        self.engine_open = request.params.n   # samples not yet finished, as the engine thread sees them
+        self.closed_samples: set[int] = set()  # finished samples, as the engine sees them (its lock)
 
     def deliver(self, event: TokenEvent) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -249,8 +249,29 @@ class Engine:
         self._wake.set()
 
     def finish(self, request_id: str, sample_index: int | None = None) -> None:
+        """The consumer ended a sample (stop string): the stream gets a final STOP event for it (no
+        token), later tokens of it are not delivered, and the stream is dropped once every sample
+        has ended."""
         self.core.finish(request_id, sample_index)
+        with self._lock:
+            stream = self._streams.get(request_id)
+            ended: list[int] = []
+            if stream is not None:
+                n = stream.request.params.n
+                ended = [i for i in (range(n) if sample_index is None else [sample_index])
+                         if i not in stream.closed_samples]
+                stream.closed_samples.update(ended)
+                if len(stream.closed_samples) == n:
+                    del self._streams[request_id]
+        for i in ended:
+            stream.deliver(TokenEvent(request_id, i, None, None, None, FinishReason.STOP,
+                                      len(stream.request.prompt_token_ids), 0))
         self._wake.set()
+
+    def release(self, request_id: str) -> None:
+        """The consumer is gone (finished reading, or disconnected after an abort): drop the stream."""
+        with self._lock:
+            self._streams.pop(request_id, None)
 
     def _loop(self) -> None:
         try:
@@ -278,11 +299,10 @@ class Engine:
         for event in events:
             with self._lock:
                 stream = self._streams.get(event.request_id)
-            if stream is None:
-                continue
+                if stream is None or event.sample_index in stream.closed_samples:
+                    continue  # e.g. a token sampled after a stop string, in the step in flight
+                if event.finish_reason is not None:
+                    stream.closed_samples.add(event.sample_index)
+                    if len(stream.closed_samples) == stream.request.params.n:
+                        del self._streams[event.request_id]
             stream.deliver(event)
-            if event.finish_reason is not None:
-                stream.engine_open -= 1
-                if stream.engine_open == 0:
-                    with self._lock:
-                        self._streams.pop(event.request_id, None)

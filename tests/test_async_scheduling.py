@@ -186,3 +186,39 @@ def test_an_in_flight_decode_with_penalties_is_refused():
     p1 = s.schedule()
     with pytest.raises(ValueError, match="penalties"):
         builder.build(p1, p0)
+
+
+def test_threaded_engine_stream_ends_after_finish_and_is_dropped(tmp_path):
+    """Engine.finish (a stop string downstream) closes that sample's stream with a STOP event; later
+    tokens of it are never delivered and the engine forgets the stream."""
+    import asyncio
+
+    from engine_utils import make_core, tiny_model
+    from jaxserve.engine import Engine
+    from jaxserve.request import FinishReason, Request
+    from jaxserve.sampling_params import SamplingParams
+
+    cfg, weights, _ = tiny_model(tmp_path, "qwen3-qknorm", seed=3)
+    engine = Engine(make_core(cfg, weights))
+    engine.start()
+
+    async def consume():
+        stream = engine.submit(Request("f", [1, 2, 3], SamplingParams(n=2, temperature=0, max_tokens=40,
+                                                                       ignore_eos=True)))
+        events = []
+        async for event in stream:
+            events.append(event)
+            if event.sample_index == 0 and event.token_id is not None and len([e for e in events if e.sample_index == 0]) == 3:
+                engine.finish("f", 0)
+        return events
+
+    try:
+        events = asyncio.run(asyncio.wait_for(consume(), 60))
+    finally:
+        engine.shutdown()
+    sample0 = [e for e in events if e.sample_index == 0]
+    assert [e.token_id is not None for e in sample0] == [True, True, True, False]
+    assert sample0[-1].finish_reason is FinishReason.STOP
+    sample1 = [e for e in events if e.sample_index == 1]
+    assert len(sample1) == 40 and sample1[-1].finish_reason is FinishReason.LENGTH
+    assert "f" not in engine._streams

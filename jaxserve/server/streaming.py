@@ -137,22 +137,12 @@ class RequestRun:
             for i in open_samples:
                 self._req_metrics.finished(i, "abort")
         self._req_metrics.ended()
-        _forget_stream(self.engine, self.request.request_id)
+        self.engine.release(self.request.request_id)
 
     def close(self) -> None:
         """Aborts the request if it was submitted and never consumed to the end."""
         if self._stream is not None and not self.closed:
             self._close({i for i, s in enumerate(self._samples) if s.finish_reason is None})
-
-
-def _forget_stream(engine: Any, request_id: str) -> None:
-    """Engine.finish() delivers no final event, so a stream whose sample ended on a stop string is
-    never removed from the engine's table; drop it here (a no-op once the engine has removed it)."""
-    streams = getattr(engine, "_streams", None)
-    lock = getattr(engine, "_lock", None)
-    if streams is not None and lock is not None:
-        with lock:
-            streams.pop(request_id, None)
 
 
 async def merged_deltas(runs: list[RequestRun]) -> AsyncIterator[ChoiceDelta]:
