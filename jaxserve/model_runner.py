@@ -31,6 +31,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model.attention import make_attention
 from jaxserve.model.paged import forward_paged
 from jaxserve.model.weights import Weights
+from jaxserve.packing import PackSpec, pack, unpack
 from jaxserve.sampler import SamplerOutput, SamplingTensors, history_buckets, sample
 from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs
 
@@ -66,17 +67,24 @@ class CompileCounter:
 # Module-level jits: runners of the same model config share compiled programs (the cache key is
 # the static config plus the input shapes and shardings), so a second engine on the same model
 # and buckets starts without compiling.
-_forward_step = jax.jit(forward_paged, static_argnames=("cfg", "attention_fn"), donate_argnames=("kv",))
+# Step inputs arrive packed in one int32 buffer (jaxserve/packing.py): one transfer per program.
+def _forward_packed(weights: Weights, kv: kv_cache.KVPages, packed: jax.Array, spec: PackSpec, cfg: ModelConfig,
+                    attention_fn: Callable[..., jax.Array], prev_ids: jax.Array
+                    ) -> tuple[jax.Array, kv_cache.KVPages]:
+    return forward_paged(weights, cfg, kv, unpack(packed, spec), attention_fn, prev_ids)
 
 
-def _sample_and_keep(logits: jax.Array, tensors: SamplingTensors, vocab_size: int,
+_forward_step = jax.jit(_forward_packed, static_argnames=("spec", "cfg", "attention_fn"), donate_argnames=("kv",))
+
+
+def _sample_and_keep(logits: jax.Array, packed: jax.Array, spec: PackSpec, vocab_size: int,
                      width: int) -> tuple[SamplerOutput, jax.Array]:
     """sample(), plus its token ids padded to [width] for the next step's forward (prev_ids)."""
-    out = sample(logits, tensors, vocab_size)
+    out = sample(logits, unpack(packed, spec), vocab_size)
     return out, jnp.pad(out.token_ids, (0, width - out.token_ids.shape[0]))
 
 
-_sample_step = jax.jit(_sample_and_keep, static_argnames=("vocab_size", "width"))
+_sample_step = jax.jit(_sample_and_keep, static_argnames=("spec", "vocab_size", "width"))
 _copy_step = jax.jit(kv_cache.copy_pages, donate_argnums=(0,))
 
 
@@ -126,12 +134,21 @@ class ModelRunner:
                          inputs.arrays.seq_lens.shape[0], inputs.sampling.table_ids.shape[1])
         return out
 
+    def _forward_args(self, arrays: StepArrays) -> dict[str, Any]:
+        packed, spec = pack(arrays)
+        return dict(kv=self.kv, packed=self._put(packed), spec=spec, cfg=self.model_cfg,
+                    attention_fn=self._attention, prev_ids=self._prev_ids)
+
     def _forward(self, arrays: StepArrays) -> tuple[jax.Array, kv_cache.KVPages]:
-        return _forward_step(self.weights, kv=self.kv, arrays=self._put(arrays), cfg=self.model_cfg,
-                             attention_fn=self._attention, prev_ids=self._prev_ids)
+        return _forward_step(self.weights, **self._forward_args(arrays))
+
+    def compiled_forward(self, arrays: StepArrays) -> jax.stages.Compiled:
+        """The compiled forward program for this step shape (for memory and HLO inspection)."""
+        return _forward_step.lower(self.weights, **self._forward_args(arrays)).compile()
 
     def _sample(self, logits: jax.Array, tensors: SamplingTensors) -> tuple[SamplerOutput, jax.Array]:
-        return _sample_step(logits, self._put(tensors), vocab_size=self.model_cfg.vocab_size,
+        packed, spec = pack(tensors)
+        return _sample_step(logits, self._put(packed), spec=spec, vocab_size=self.model_cfg.vocab_size,
                             width=self._rows_width)
 
     @staticmethod

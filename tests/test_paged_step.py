@@ -112,11 +112,7 @@ def test_kv_pages_are_donated_and_never_copied(qwen3):
         c = make_core(cfg, weights, num_kv_pages=num_pages)
         from jaxserve.model_runner import _dummy_arrays
         arrays = _dummy_arrays(8, 8, c.engine_cfg.max_pages_per_seq, num_pages * c.engine_cfg.page_size)
-        from jaxserve.model_runner import _forward_step
-        compiled = _forward_step.lower(c.runner.weights, kv=c.runner.kv, arrays=c.runner._put(arrays),
-                                       cfg=cfg, attention_fn=c.runner._attention,
-                                       prev_ids=c.runner._prev_ids).compile()
-        return compiled.memory_analysis(), kv_cache.page_bytes(cfg, 4, jnp.float32) * num_pages
+        return c.runner.compiled_forward(arrays).memory_analysis(), kv_cache.page_bytes(cfg, 4, jnp.float32) * num_pages
 
     small, small_pool = step_memory(32)
     large, large_pool = step_memory(1024)
