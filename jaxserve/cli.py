@@ -41,10 +41,11 @@ def _buckets(text: str) -> tuple[int, ...] | None:
 
 
 def _mesh(text: str) -> tuple[int, int]:
-    m = re.fullmatch(r"(\d+)x(\d+)", text.strip())
-    if m is None or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise argparse.ArgumentTypeError(f"invalid mesh {text!r}: use DATAxMODEL, e.g. 1x4")
-    return int(m.group(1)), int(m.group(2))
+    from jaxserve.sharding import parse_mesh
+    try:
+        return parse_mesh(text.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_float(text: str) -> float:
