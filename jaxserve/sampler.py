@@ -156,7 +156,7 @@ class SamplingTensors(NamedTuple):
     frequency_penalty: jax.Array   # [R] f32
     seed_words: jax.Array          # [R, 2] uint32, threefry key data (hi, lo) of the row's seed
     num_output_tokens: jax.Array   # [R] i32, folded into the key
-    num_logprobs: jax.Array        # [R] i32, alternatives wanted (0 => chosen-token logprob only)
+    num_logprobs: jax.Array        # [R] i32, alternatives wanted (0: chosen-token logprob only; -1: no logprobs)
     table_ids: jax.Array           # [R, H] i32, distinct ids to adjust, -1 = pad
     table_output_counts: jax.Array # [R, H] i32, occurrences among output tokens
     table_seen: jax.Array          # [R, H] bool, occurs in prompt+output (repetition penalty)
@@ -184,7 +184,7 @@ class SamplingTensors(NamedTuple):
         top_k = np.zeros(num_rows, np.int32)
         seed_words = np.zeros((num_rows, 2), np.uint32)
         num_out = np.zeros(num_rows, np.int32)
-        num_logprobs = np.zeros(num_rows, np.int32)
+        num_logprobs = np.full(num_rows, -1, np.int32)
         tables: list[tuple[int, tuple[np.ndarray, ...]]] = []
         for i, row in enumerate(rows):
             p = row.params
@@ -197,7 +197,7 @@ class SamplingTensors(NamedTuple):
                                                  p.frequency_penalty)
             seed_words[i] = _seed_words(row.seed)
             num_out[i] = len(row.output_token_ids)
-            num_logprobs[i] = p.logprobs or 0
+            num_logprobs[i] = -1 if p.logprobs is None else p.logprobs
             table = _row_table(row, vocab_size)
             if table is not None:
                 tables.append((i, table))
@@ -353,17 +353,35 @@ def sample(logits: jax.Array, tensors: SamplingTensors, vocab_size: int) -> Samp
     """Sample one token per row. logits: [R, V] (V may exceed vocab_size: padding columns).
 
     Jittable with `vocab_size` static; parameter values are data, so they never recompile.
-    Cost for an all-greedy batch: the processed logits, one max/argmax pass and one logsumexp
-    pass; the truncation masks, the draw and the top-20 run under `lax.cond` only when a row
-    needs them.
+    Cost for an all-greedy batch without logprobs: the processed logits and one argmax pass; the
+    normaliser (logsumexp), the truncation masks, the draw and the top-20 run under `lax.cond`
+    only when a row needs them. `logprobs` is 0 for rows that did not ask for logprobs.
     """
-    x = process_logits(logits, tensors, vocab_size)                                 # [R, V]
-    row_max = jnp.max(x, axis=1, keepdims=True)
-    lse = row_max[:, 0] + jnp.log(jnp.sum(jnp.exp(x - row_max), axis=1))            # [R]
-    greedy_ids = jnp.argmax(x, axis=1).astype(jnp.int32)
-    sampled_ids = jax.lax.cond(jnp.any(tensors.temperature > 0), lambda: _draw(x, tensors, row_max),
-                               lambda: greedy_ids)
+    def processed() -> jax.Array:  # [R, V]; recomputed inside each branch so that an all-greedy
+        return process_logits(logits, tensors, vocab_size)  # batch never materialises it
+
+    greedy_ids = jnp.argmax(processed(), axis=1).astype(jnp.int32)
+
+    def draw() -> jax.Array:
+        x = processed()
+        return _draw(x, tensors, jnp.max(x, axis=1, keepdims=True))
+
+    sampled_ids = jax.lax.cond(jnp.any(tensors.temperature > 0), draw, lambda: greedy_ids)
     token_ids = jnp.where(tensors.temperature > 0, sampled_ids, greedy_ids)
-    chosen = jnp.take_along_axis(x, token_ids[:, None], axis=1)[:, 0] - lse
-    top_ids, top_lps = _top_logprobs(x, lse, tensors, vocab_size)
+    # The normaliser costs an exp over [R, V]; only batches with a row that wants logprobs pay it.
+    wants = tensors.num_logprobs >= 0
+
+    def logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
+        x = processed()
+        lse = jax.nn.logsumexp(x, axis=1)
+        chosen = jnp.take_along_axis(x, token_ids[:, None], axis=1)[:, 0] - lse
+        return (chosen, *_top_logprobs(x, lse, tensors, vocab_size))
+
+    def no_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
+        r = logits.shape[0]
+        return (jnp.zeros(r, jnp.float32), jnp.full((r, NUM_TOP_LOGPROBS), -1, jnp.int32),
+                jnp.full((r, NUM_TOP_LOGPROBS), -jnp.inf, jnp.float32))
+
+    chosen, top_ids, top_lps = jax.lax.cond(jnp.any(wants), logprobs, no_logprobs)
+    chosen = jnp.where(wants, chosen, 0.0)
     return SamplerOutput(token_ids, chosen, top_ids, top_lps)
