@@ -12,11 +12,14 @@ import jax
 
 from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu, supports as gpu_supports
 from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
+from kernels_pallas.ragged_paged_attention_tiled import ragged_paged_attention_tiled
 from kernels_pallas.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 
 AttentionFn = Callable[..., jax.Array]
 
-BACKENDS = ("reference", "tpu", "gpu", "auto")
+BACKENDS = ("reference", "tiled", "tpu", "gpu", "auto")
+# Plain-jnp backends: XLA partitions them under jit sharding (no shard_map needed).
+JNP_BACKENDS = (ragged_paged_attention_reference, ragged_paged_attention_tiled)
 
 
 def _gpu_or_reference(q, k_pages, *args, **kwargs) -> jax.Array:
@@ -27,9 +30,11 @@ def _gpu_or_reference(q, k_pages, *args, **kwargs) -> jax.Array:
 
 
 def get_attention_backend(name: str) -> AttentionFn:
-    """"reference" | "tpu" | "gpu" | "auto" (by jax.default_backend() at call time)."""
+    """"reference" | "tiled" | "tpu" | "gpu" | "auto" (by jax.default_backend() at call time)."""
     if name == "reference":
         return ragged_paged_attention_reference
+    if name == "tiled":
+        return ragged_paged_attention_tiled
     if name == "tpu":
         return ragged_paged_attention_tpu
     if name == "gpu":
@@ -53,7 +58,8 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention on the default backend: tpu -> Mosaic kernel, gpu -> Triton kernel,
-    anything else -> the jnp reference."""
+    anything else -> the tiled jnp path (same numbers as the reference, one KV gather per tile of
+    a sequence's rows instead of per row)."""
     backend = jax.default_backend()
     args = (q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -61,7 +67,7 @@ def ragged_paged_attention(
         return ragged_paged_attention_tpu(*args, **kwargs)
     if backend == "gpu":
         return _gpu_or_reference(*args, **kwargs)
-    return ragged_paged_attention_reference(*args, **kwargs)
+    return ragged_paged_attention_tiled(*args, **kwargs)
 
 
 __all__ = [
@@ -70,5 +76,7 @@ __all__ = [
     "ragged_paged_attention",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_reference",
+    "ragged_paged_attention_tiled",
+    "JNP_BACKENDS",
     "ragged_paged_attention_tpu",
 ]

@@ -319,6 +319,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,16,64", help="static-batching sizes for hf-static")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--jaxserve-args", default="--token-buckets 64,128,256,512 --seq-buckets 16,64 --max-model-len 1024",
+                   help="extra `jaxserve serve` flags (buckets, context), one string")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads for hf-static and hf-serve (default: torch's)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to become healthy")
@@ -374,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
                    "--port", str(port), "--max-num-seqs", str(a.max_num_seqs),
-                   "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--dtype", "float32"]
+                   "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--dtype", "float32",
+                   *shlex.split(a.jaxserve_args)]
             cfg = replace(base, base_url=f"http://127.0.0.1:{port}", length_control="ignore_eos")
             s = System("jaxserve (continuous batching)", ServerSystem(
                 stack, cmd, port, "/health", cfg, prompts, a.log_dir / "jaxserve.log", a.start_timeout, env),

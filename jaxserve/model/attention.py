@@ -28,14 +28,16 @@ def make_attention(backend: str, cfg: ModelConfig, mesh: Mesh, **kernel_kwargs) 
 
     kernel_kwargs go to the Pallas kernel (e.g. `interpret=True` to run a GPU kernel on CPU).
     """
-    from kernels_pallas import get_attention_backend, ragged_paged_attention_reference
+    from kernels_pallas import JNP_BACKENDS, get_attention_backend
 
+    if backend == "auto" and jax.default_backend() not in ("tpu", "gpu"):
+        backend = "tiled"  # resolve now, so the jnp path is recognised below
     fn = get_attention_backend(backend)
     if kernel_kwargs:
         fn = partial(fn, **kernel_kwargs)
     rules = sharding.rules_for(logical_dims(cfg), mesh)
     kv_axis = rules.get("kv_heads")
-    if fn is ragged_paged_attention_reference or kv_axis is None or rules.get("q_heads") != kv_axis:
+    if fn in JNP_BACKENDS or kv_axis is None or rules.get("q_heads") != kv_axis:
         return fn
     return _shard_over_heads(fn, mesh, kv_axis)
 

@@ -12,6 +12,7 @@ from kernels_pallas import (
     ragged_paged_attention,
     ragged_paged_attention_gpu,
     ragged_paged_attention_reference,
+    ragged_paged_attention_tiled,
     ragged_paged_attention_tpu,
 )
 
@@ -25,13 +26,15 @@ def _case():
                      **SMALL)
 
 
-def test_auto_on_cpu_is_the_reference():
+def test_auto_on_cpu_is_the_tiled_jnp_path():
     assert jax.default_backend() == "cpu"
     case = _case()
     args = case.args()
     got = ragged_paged_attention(*args, sm_scale=case.sm_scale)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.asarray(ragged_paged_attention_tiled(*args, sm_scale=case.sm_scale)))
     want = ragged_paged_attention_reference(*args, sm_scale=case.sm_scale)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert get_attention_backend("auto") is ragged_paged_attention
 
 
@@ -39,7 +42,8 @@ def test_get_attention_backend_names():
     assert get_attention_backend("reference") is ragged_paged_attention_reference
     assert get_attention_backend("tpu") is ragged_paged_attention_tpu
     assert get_attention_backend("gpu") is ragged_paged_attention_gpu
-    assert kernels_pallas.BACKENDS == ("reference", "tpu", "gpu", "auto")
+    assert get_attention_backend("tiled") is ragged_paged_attention_tiled
+    assert kernels_pallas.BACKENDS == ("reference", "tiled", "tpu", "gpu", "auto")
     with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
         get_attention_backend("cuda")
 
