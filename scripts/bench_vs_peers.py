@@ -319,7 +319,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,16,64", help="static-batching sizes for hf-static")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--jaxserve-args", default="--token-buckets 64,128,256,512 --seq-buckets 16,64 --max-model-len 1024",
+    p.add_argument("--jaxserve-args", default="--token-buckets 32,64,128,256,512 --seq-buckets 8,16,32,64 --max-model-len 1024",
                    help="extra `jaxserve serve` flags (buckets, context), one string")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads for hf-static and hf-serve (default: torch's)")
