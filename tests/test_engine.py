@@ -89,7 +89,7 @@ def test_preemption_under_a_small_pool_keeps_every_output(make):
 def test_prefix_cache_computes_only_the_suffix(make):
     core = make(num_kv_pages=96, max_model_len=96, max_num_batched_tokens=32)
     prefix = [random.Random(3).randrange(1, 96) for _ in range(64)]
-    first = run_all(core, [Request("a", prefix + [5, 6, 7], greedy(4))])
+    assert len(run_all(core, [Request("a", prefix + [5, 6, 7], greedy(4))])["a"][0]) == 4
     before = core.num_prefill_tokens
     second = run_all(core, [Request("b", prefix + [9, 9, 1, 2], greedy(4))])
     assert core.num_prefill_tokens - before == 4  # 64 cached tokens (16 full pages) skipped
@@ -99,7 +99,6 @@ def test_prefix_cache_computes_only_the_suffix(make):
     before = core.num_prefill_tokens
     run_all(core, [Request("c", prefix + [9, 9, 1, 2], greedy(4), cache_salt="tenant-2")])
     assert core.num_prefill_tokens - before == 68
-    assert first  # noqa: the first request ran
     _assert_idle(core)
 
 
