@@ -88,6 +88,14 @@ class ModelConfig:
         return _parse_hf(config)
 
 
+def normalize_dtype_name(name: str) -> str:
+    """'bf16', 'torch.bfloat16', 'half', ... -> 'float32' | 'bfloat16' | 'float16'."""
+    key = str(name).replace("torch.", "")
+    if key not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {name!r}; use float32, bfloat16 or float16")
+    return _DTYPE_NAMES[key]
+
+
 def _require(cfg: dict, key: str) -> Any:
     if key not in cfg or cfg[key] is None:
         raise ValueError(f"config.json is missing required field '{key}'")
@@ -185,9 +193,11 @@ def _parse_hf(cfg: dict) -> ModelConfig:
         raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv})")
     head_dim = cfg.get("head_dim") or hidden // num_heads
     max_pos = _positive_int(cfg, "max_position_embeddings")
-    dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
-    if dtype_name not in _DTYPE_NAMES:
-        raise ValueError(f"unsupported config.json 'dtype' {dtype_name!r}")
+    raw_dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    try:
+        dtype_name = normalize_dtype_name(raw_dtype)
+    except ValueError:
+        raise ValueError(f"unsupported config.json 'dtype' {raw_dtype!r}") from None
     attention_bias = bool(cfg.get("attention_bias", False))
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -204,7 +214,7 @@ def _parse_hf(cfg: dict) -> ModelConfig:
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
         layer_windows=_layer_windows(cfg, family, num_layers),
-        dtype=_DTYPE_NAMES[dtype_name],
+        dtype=dtype_name,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
     )
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from checkpoints import load_model, resolve_model_dir
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig, normalize_dtype_name
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine import EngineCore
 from jaxserve.request import FinishReason, Request
@@ -37,10 +37,7 @@ def resolve_dtype(requested: str | None, checkpoint_dtype: str) -> Any:
     """float32 on CPU (bf16 matmuls are slow there), else the checkpoint's dtype; "auto" = None."""
     if requested in (None, "auto"):
         return jnp.float32 if jax.default_backend() == "cpu" else jnp.dtype(checkpoint_dtype)
-    try:
-        return jnp.dtype({"fp32": "float32", "bf16": "bfloat16", "half": "float16"}.get(requested, requested))
-    except TypeError:
-        raise ValueError(f"unknown dtype {requested!r}; use float32, bfloat16 or float16") from None
+    return jnp.dtype(normalize_dtype_name(requested))
 
 
 def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
@@ -51,7 +48,6 @@ def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
     if engine_cfg.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(engine_cfg.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    from jaxserve.config import ModelConfig
     dtype = resolve_dtype(engine_cfg.dtype, ModelConfig.from_hf(model_dir).dtype)
     mesh = make_mesh(*engine_cfg.mesh_shape)
     model_cfg, weights = load_model(model_dir, mesh, dtype)

@@ -109,7 +109,6 @@ class ModelRunner:
         # [rows_width] int32: the last dispatched step's sampled ids, on the device
         self._prev_ids = self._put(np.zeros(self._rows_width, np.int32))
         self.warmed_up = False
-        self._compiles_at_warmup = 0
         self.compilations_after_warmup = 0
 
     # -- steps ---------------------------------------------------------------------------------
@@ -199,7 +198,6 @@ class ModelRunner:
         jax.block_until_ready(self.kv.k[0])
         tick("page copy")
         self.warmed_up = True
-        self._compiles_at_warmup = CompileCounter.count()
         seconds = time.perf_counter() - start
         logger.info("warm-up compiled %d programs in %.1fs", total, seconds)
         return seconds

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 DATA_AXIS = "data"
@@ -92,9 +91,3 @@ def named(mesh: Mesh, *logical_names: str | None, rules: Mapping[str, str | None
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
-
-
-def shard_bytes(shape: Sequence[int], sharding: NamedSharding, itemsize: int) -> int:
-    """Bytes one device holds of an array with this shape and sharding."""
-    shard_shape = sharding.shard_shape(tuple(shape))
-    return int(np.prod(shard_shape)) * itemsize

@@ -125,3 +125,6 @@ def next_power_of_two(n: int) -> int:
 
 # A finite "minus infinity": masked logits use it so that max/exp never see inf - inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# KV positions one step of the jnp paths' chunk loop covers (small: the dynamic trip count then
+# stops close to the longest live sequence).
+CHUNK_TOKENS = 128

@@ -19,10 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas._checks import MASK_VALUE, check_attention_args
+from kernels_pallas._checks import CHUNK_TOKENS, MASK_VALUE, check_attention_args
 
 _CHUNK_BYTES = 32 * 1024 * 1024
-_CHUNK_TOKENS = 128
 
 
 def row_to_seq(
@@ -45,11 +44,10 @@ def row_to_seq(
 
 def _default_chunk_pages(num_tokens: int, page_size: int, num_kv_heads: int, head_dim: int,
                          max_pages: int) -> int:
-    # Small chunks let the dynamic trip count stop close to the longest live sequence (a chunk
-    # past a sequence's end is gathered and masked for nothing); the byte cap bounds big prefills.
+    # The byte cap bounds big prefills (this path gathers the context once per query row).
     per_page = num_tokens * page_size * num_kv_heads * head_dim * 4
     by_bytes = _CHUNK_BYTES // max(per_page, 1)
-    by_tokens = max(1, _CHUNK_TOKENS // page_size)
+    by_tokens = max(1, CHUNK_TOKENS // page_size)
     return max(1, min(max_pages, by_bytes, by_tokens))
 
 

@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas._checks import MASK_VALUE, check_attention_args
+from kernels_pallas._checks import CHUNK_TOKENS, MASK_VALUE, check_attention_args
 
-_CHUNK_TOKENS = 128
 _MAX_BLOCK_Q = 64
 
 
@@ -56,7 +55,7 @@ def ragged_paged_attention_tiled(
     ps, KVH, G = dims.page_size, dims.num_kv_heads, dims.group
     bq = block_q or default_block_q(T, S)
     W = min(T, T // bq + S)
-    cp = max(1, min(MP, _CHUNK_TOKENS // ps))
+    cp = max(1, min(MP, CHUNK_TOKENS // ps))
     chunk = cp * ps
     num_chunks_static = -(-MP // cp)
     tables = jnp.pad(page_tables, ((0, 0), (0, num_chunks_static * cp - MP)))

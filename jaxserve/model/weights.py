@@ -8,8 +8,9 @@ Layout: projections are stored input-features first (`x @ w`), heads as their ow
 einsum strings document the math (`"td,dhk->thk"`). The vocabulary is padded to a multiple of
 `VOCAB_PAD` so it splits evenly over the model axis; padded logits are masked by the sampler.
 
-A leaf may later become a (values, scales) pair for quantized weights: model code reads weights
-only through `layers.linear`, which is the one place that would learn to dequantize.
+A leaf may later become a (values, scales) pair for quantized weights: the projections in
+model/transformer.py (`qkv`, `mlp`, the output projection, `lm_head`) are the places that would
+learn to dequantize.
 """
 
 from __future__ import annotations
@@ -139,17 +140,3 @@ def init_random(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, std: 
 
     host = jax.tree.map(make, abstract(cfg, dtype), is_leaf=_is_spec)
     return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), host)
-
-
-def place(host_weights: Weights, cfg: ModelConfig, mesh: Mesh) -> Weights:
-    """Puts host arrays onto their shardings (each device receives only its shard)."""
-    target = shardings(abstract(cfg), cfg, mesh)
-    return jax.tree.map(lambda a, s: jax.device_put(a, s), host_weights, target)
-
-
-def param_count(cfg: ModelConfig) -> int:
-    """Parameters as the checkpoint counts them (unpadded vocabulary)."""
-    leaves = jax.tree.leaves(abstract(cfg), is_leaf=_is_spec)
-    total = sum(int(np.prod(s.shape)) for s in leaves)
-    pad = padded_vocab(cfg) - cfg.vocab_size
-    return total - pad * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
