@@ -39,7 +39,8 @@ def preset_config(name: str) -> dict:
                 tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, dtype="float32", **PRESETS[name])
 
 
-def run_batch(model_cfg, weights, batch: int, context: int, steps: int, repeats: int) -> dict:
+def run_batch(model_cfg, weights, batch: int, context: int, steps: int, repeats: int,
+              breakdown: bool = False) -> dict:
     from jaxserve.config import EngineConfig
     from jaxserve.engine import EngineCore
     from jaxserve.request import Request
@@ -47,7 +48,8 @@ def run_batch(model_cfg, weights, batch: int, context: int, steps: int, repeats:
     from jaxserve.sharding import make_mesh
 
     page_size = 16
-    max_len = context + steps * (repeats + 1) + 8
+    max_tokens = steps * (repeats + 1) + 16  # headroom for the breakdown's extra step
+    max_len = context + max_tokens + 8
     budget = max(batch, 512)
     ecfg = EngineConfig(page_size=page_size, num_kv_pages=batch * (-(-max_len // page_size)) + 8,
                         max_num_seqs=batch, max_num_batched_tokens=budget, max_model_len=max_len,
@@ -55,7 +57,7 @@ def run_batch(model_cfg, weights, batch: int, context: int, steps: int, repeats:
                         enable_prefix_caching=False)
     core = EngineCore(model_cfg, weights, ecfg, make_mesh(1, 1))
     warm = core.runner.warmup()
-    params = SamplingParams(temperature=0.0, max_tokens=steps * (repeats + 1), ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         core.add_request(Request(f"b{i}", [(7 * i + j) % 1000 + 1 for j in range(context)], params))
     started: set[str] = set()
@@ -73,9 +75,86 @@ def run_batch(model_cfg, weights, batch: int, context: int, steps: int, repeats:
         tm = core.timings
         host.append((tm.schedule + tm.build + tm.update) / max(times[-1], 1e-9))
     step_s = statistics.median(times) / steps
-    return {"batch": batch, "warmup_s": round(warm, 1), "step_ms": step_s * 1e3,
-            "tokens_per_s": batch / step_s, "host_fraction": statistics.median(host),
-            "recompiles": core.runner.compilations_after_warmup}
+    row = {"batch": batch, "warmup_s": round(warm, 1), "step_ms": step_s * 1e3,
+           "tokens_per_s": batch / step_s, "host_fraction": statistics.median(host),
+           "recompiles": core.runner.compilations_after_warmup}
+    if breakdown:
+        row["breakdown_ms"] = step_breakdown(core, repeats=max(3, repeats))
+        row["breakdown_ms"]["host"] = statistics.median(host) * step_s * 1e3
+        row["breakdown_ms"]["detokenize"] = detokenize_ms(batch, steps)
+    return row
+
+
+def _no_attention(q, k_pages, v_pages, *args, **kwargs):
+    """Stands in for attention in the ablated forward (same shapes, no work)."""
+    return q
+
+
+def _timed_ms(fn, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def step_breakdown(core, repeats: int) -> dict[str, float]:
+    """Milliseconds of one steady decode step's device programs, each timed alone (synchronously):
+    the forward program, the same forward with attention removed (the difference is attention),
+    the lm_head product on the step's logits rows alone, and the sampler program."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.model.transformer import lm_head
+
+    runner = core.runner
+    captured = []
+    real_step = runner.step
+    runner.step = lambda inputs: captured.append(inputs) or real_step(inputs)
+    core.step()
+    runner.step = real_step
+    inputs = captured[-1]
+
+    def forward():
+        logits, runner.kv = runner._forward(inputs.arrays)
+        return logits
+
+    out = {"forward": _timed_ms(forward, repeats)}
+    real_attention = runner._attention
+    runner._attention = _no_attention
+    try:
+        out["attention"] = max(0.0, out["forward"] - _timed_ms(forward, repeats))
+    finally:
+        runner._attention = real_attention
+    logits = forward()
+    rows = jnp.zeros((logits.shape[0], core.model_cfg.hidden_size), runner.dtype)
+    head = jax.jit(lm_head)
+    out["lm_head"] = _timed_ms(lambda: head(runner.weights, rows), repeats)
+    out["layers_and_rest"] = max(0.0, out["forward"] - out["attention"] - out["lm_head"])
+    out["sampler"] = _timed_ms(lambda: runner._sample(logits, inputs.sampling), repeats)
+    return out
+
+
+def detokenize_ms(batch: int, steps: int) -> float:
+    """Milliseconds per step to stream one new token for each of `batch` sequences through the
+    incremental detokenizer (the real Qwen vocabulary of the embedded default model)."""
+    from jaxserve.default_model import ensure_default_model
+    from jaxserve.detokenizer import IncrementalDetokenizer
+    from jaxserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(ensure_default_model())
+    text = (ROOT / "README.md").read_text()
+    ids = tok.encode(text)[: steps * 4 + 64]
+    detoks = [IncrementalDetokenizer(tok, ids[:32]) for _ in range(batch)]
+    t0 = time.perf_counter()
+    for i in range(steps):
+        for j, d in enumerate(detoks):
+            d.push([ids[32 + (i + j) % (len(ids) - 32)]])
+    return (time.perf_counter() - t0) / steps * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time each part of a decode step alone (forward, attention, lm_head, sampler, "
+                         "host, detokenization)")
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
 
@@ -103,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         (Path(d) / "config.json").write_text(json.dumps(cfg_dict))
         rows = []
         for b in [int(x) for x in args.batches.split(",")]:
-            row = run_batch(model_cfg, weights, b, args.context, args.steps, args.repeats)
+            row = run_batch(model_cfg, weights, b, args.context, args.steps, args.repeats, args.breakdown)
             bound = rl.roofline(Path(d) / "config.json", b, args.context, bw, rate)
             row["bound_tokens_per_s"] = bound["decode_tokens_per_s"]
             row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
@@ -117,6 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['bound_tokens_per_s']:.0f} | "
               f"{100 * r['fraction_of_bound']:.0f}% | {r['bound_kind']} | {100 * r['host_fraction']:.1f}% |")
+    if args.breakdown:
+        parts = ("forward", "attention", "lm_head", "layers_and_rest", "sampler", "host", "detokenize")
+        print("\nWhere a decode step's time goes (ms, each part timed alone; attention = forward minus the "
+              "forward without attention; host = scheduling + input building + update):")
+        print("| batch | step ms | " + " | ".join(parts) + " | host + detokenize share |")
+        print("|---" * (len(parts) + 3) + "|")
+        for r in rows:
+            b = r["breakdown_ms"]
+            share = (b["host"] + b["detokenize"]) / r["step_ms"]
+            print(f"| {r['batch']} | {r['step_ms']:.1f} | " + " | ".join(f"{b[k]:.1f}" for k in parts)
+                  + f" | {100 * share:.1f}% |")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"bandwidth": bw, "matmul_rate": rate, "rows": rows}, indent=2))
     return 0

@@ -97,6 +97,7 @@ class RequestResult:
     output_len_requested: int
     output_tokens: int = 0
     prompt_tokens_reported: int | None = None   # usage.prompt_tokens from the server
+    cached_tokens_reported: int | None = None   # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     ttft: float = math.nan                      # seconds
     itl: list[float] = field(default_factory=list)  # seconds between successive text chunks
     e2e: float = math.nan                       # seconds, send -> end of stream
@@ -268,6 +269,8 @@ async def send_one(client: Any, cfg: BenchConfig, spec: PromptSpec, t0: float) -
                 if usage:
                     usage_tokens = usage.get("completion_tokens", usage_tokens)
                     res.prompt_tokens_reported = usage.get("prompt_tokens", res.prompt_tokens_reported)
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens_reported = details.get("cached_tokens", res.cached_tokens_reported)
         res.e2e = time.perf_counter() - start
     except Exception as exc:  # one failed request must not end the benchmark
         res.error = f"{type(exc).__name__}: {exc}"[:300]

@@ -1,14 +1,17 @@
 """jaxserve against its peers on one model and one workload, interleaved and repeated (medians).
 
     python scripts/bench_vs_peers.py --model-preset bench-small --repeats 3
-    python scripts/bench_vs_peers.py --smoke          # tiny model, 4 requests, 1 repeat, < 60 s
+    python scripts/bench_vs_peers.py --smoke --no-docs   # tiny model, 4 requests, 2 rates + the 80% run
 
 Systems (choose with --systems):
   jaxserve  `python -m jaxserve.cli serve` (continuous batching), driven by bench_serving
-  hf-static Hugging Face transformers `generate`, static batches (left-padded, greedy, fixed length)
+  hf-static Hugging Face transformers `generate`, static batches (left-padded, greedy, EOS suppressed)
   hf-serve  `transformers serve --continuous-batching`, driven by the same load generator
-Every system gets the same text prompts and the same output length. The markdown table goes into
-docs/BENCHMARKS.md between the bench_vs_peers markers (other sections are left untouched).
+Every system gets the same text prompts and the same per-request output lengths (drawn once, seeded).
+The run also measures the matmul rate and reports each system's share of the workload's compute
+bound; the serving systems are swept over --rates and compared on TTFT at a fraction of jaxserve's
+saturation. The markdown goes into docs/BENCHMARKS.md between the bench_vs_peers markers (other
+sections are left untouched).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -110,37 +114,93 @@ def describe_model(model_dir: Path) -> str:
             f"{cfg.get('dtype') or cfg.get('torch_dtype')})")
 
 
+# ----------------------------------------------------------------------------- launching jaxserve
+
+def bench_env(torch_threads: int | None = None) -> dict[str, str]:
+    """Environment for the servers we start: offline, this checkout importable, optional thread cap."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(x for x in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if x))
+    if torch_threads:
+        env["OMP_NUM_THREADS"] = str(torch_threads)
+    return env
+
+
+def jaxserve_command(model_dir: Path, port: int, max_num_seqs: int, max_num_batched_tokens: int,
+                     extra_args: str) -> list[str]:
+    """`jaxserve serve` on 127.0.0.1:port for `model_dir` (float32), plus the user's extra flags."""
+    return [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--max-num-seqs", str(max_num_seqs),
+            "--max-num-batched-tokens", str(max_num_batched_tokens), "--dtype", "float32",
+            *shlex.split(extra_args)]
+
+
+# ----------------------------------------------------------------------------- compute bound
+
+@dataclass(frozen=True)
+class ComputeBound:
+    """Seconds a workload needs at the measured matmul rate (roofline.workload_flops / rate)."""
+    model_cfg: dict[str, Any]
+    flop_rate: float  # FLOP/s
+
+    def flops(self, prompt_lens: list[int], output_lens: list[int]) -> dict[str, int]:
+        from roofline import workload_flops
+
+        return workload_flops(self.model_cfg, prompt_lens, output_lens)
+
+    def seconds(self, prompt_lens: list[int], output_lens: list[int]) -> float:
+        if not prompt_lens:
+            return math.nan
+        return self.flops(prompt_lens, output_lens)["total"] / self.flop_rate
+
+
+def pct_of_bound(bound_s: float, duration_s: float) -> float:
+    """100 x the compute-bound time over the measured time (100 = as fast as the matmul rate allows)."""
+    return 100.0 * bound_s / duration_s if duration_s > 0 else math.nan
+
+
 # ----------------------------------------------------------------------------- systems
 
 @dataclass
 class Outcome:
-    """One measurement of one system: the numbers the table shows (NaN where not applicable)."""
+    """One measurement of one system: the numbers the tables show (NaN where not applicable)."""
     output_throughput: float
     total_token_throughput: float
     request_throughput: float
     ttft_p50_ms: float = math.nan
+    ttft_p99_ms: float = math.nan
     tpot_p50_ms: float = math.nan
     e2e_p50_ms: float = math.nan
     out_tokens_per_req: float = math.nan
     failed: int = 0
+    duration_s: float = math.nan
+    bound_s: float = math.nan        # compute bound of the requests this run completed
+    pct_of_bound: float = math.nan   # 100 x bound_s / duration_s
 
 
 @dataclass
 class System:
     name: str
-    measure: Callable[[], Outcome]
+    measure: Callable[[float], Outcome]   # argument: arrival rate, req/s (inf = burst); static batching ignores it
     is_jaxserve: bool = False
-    outcomes: list[Outcome] = field(default_factory=list)
+    serving: bool = False                 # an HTTP server: takes part in the rate sweep and the 80% run
+    outcomes: list[Outcome] = field(default_factory=list)             # at the main rate (burst)
+    sweep: dict[float, list[Outcome]] = field(default_factory=dict)   # at the other rates of --rates
+    at_frac: list[Outcome] = field(default_factory=list)              # at frac x jaxserve's saturation
     error: str | None = None
+    frac_error: str | None = None
 
 
-def outcome_from_report(report: dict[str, Any]) -> Outcome:
+def outcome_from_report(report: dict[str, Any], bound: ComputeBound | None = None) -> Outcome:
     done = max(report["completed"], 1)
+    ok = [r for r in report["requests"] if r["ok"]]
+    bound_s = (bound.seconds([r["prompt_len"] for r in ok], [max(r["output_tokens"], 1) for r in ok])
+               if bound is not None and ok else math.nan)
     return Outcome(
         output_throughput=report["output_throughput"], total_token_throughput=report["total_token_throughput"],
         request_throughput=report["request_throughput"], ttft_p50_ms=report["ttft_ms"]["p50"],
-        tpot_p50_ms=report["tpot_ms"]["p50"], e2e_p50_ms=report["e2e_ms"]["p50"],
+        ttft_p99_ms=report["ttft_ms"]["p99"], tpot_p50_ms=report["tpot_ms"]["p50"], e2e_p50_ms=report["e2e_ms"]["p50"],
         out_tokens_per_req=report["total_output_tokens"] / done, failed=report["failed"],
+        duration_s=report["duration_s"], bound_s=bound_s, pct_of_bound=pct_of_bound(bound_s, report["duration_s"]),
     )
 
 
@@ -156,17 +216,28 @@ def served_model_name(base_url: str, fallback: str) -> str:
 
 
 class ServerSystem:
-    """Starts its server on first use (kept for all repeats), warms it, then runs the load generator."""
+    """Starts its server on first use (kept for all runs), warms it, then runs the load generator.
+
+    `fresh_cache_salt`: every run sends its own `cache_salt`, so a prefix-caching server cannot
+    reuse the prompts of an earlier run (the same prompts are sent once per rate and repeat).
+    """
 
     def __init__(self, stack: contextlib.ExitStack, cmd: list[str], port: int, health_path: str,
                  cfg: bs.BenchConfig, prompts: list[bs.PromptSpec], log_path: Path, start_timeout: float,
-                 env: dict[str, str]):
+                 env: dict[str, str], bound: ComputeBound | None = None, fresh_cache_salt: bool = False):
         self.stack, self.cmd, self.port, self.cfg, self.prompts = stack, cmd, port, cfg, prompts
         self.health_url = f"http://127.0.0.1:{port}{health_path}"
         self.log_path, self.start_timeout, self.env = log_path, start_timeout, env
+        self.bound, self.fresh_cache_salt = bound, fresh_cache_salt
         self.started = False
 
-    def __call__(self) -> Outcome:
+    def _run_cfg(self, rate: float) -> bs.BenchConfig:
+        extra = dict(self.cfg.extra_body)
+        if self.fresh_cache_salt:
+            extra["cache_salt"] = uuid.uuid4().hex
+        return replace(self.cfg, request_rate=rate, extra_body=extra, json_out=None, plot_dir=None)
+
+    def __call__(self, rate: float = math.inf) -> Outcome:
         if not self.started:
             if http_ok(self.health_url, timeout=1):
                 raise RuntimeError(f"port {self.port} already serves something; not benchmarking a stranger")
@@ -175,19 +246,51 @@ class ServerSystem:
             self.started = True
             self.cfg = replace(self.cfg, model=served_model_name(self.cfg.base_url, self.cfg.model))
             # Warm-up (not recorded): compilation, lazy model load, CB worker start.
-            bs.run_benchmark(replace(self.cfg, json_out=None, plot_dir=None), prompts=self.prompts[:4])
-        report = bs.run_benchmark(replace(self.cfg, json_out=None, plot_dir=None), prompts=self.prompts)
+            bs.run_benchmark(self._run_cfg(math.inf), prompts=self.prompts[:4])
+        report = bs.run_benchmark(self._run_cfg(rate), prompts=self.prompts)
         if report["completed"] == 0:
             raise RuntimeError(f"every request failed: {report['errors']}")
-        return outcome_from_report(report)
+        return outcome_from_report(report, self.bound)
+
+
+@dataclass
+class StaticBatch:
+    texts: list[str]
+    output_lens: list[int]   # each request's own length; the batch generates max(output_lens)
+
+
+def static_requests(n_total: int, batch_size: int, max_requests: int | None) -> int:
+    """How many of the first requests a static batch size runs: all, or the first max_requests
+    rounded up to one whole batch (a batch of 64 needs 64 requests to be one)."""
+    if max_requests is None:
+        return n_total
+    return min(n_total, max(max_requests, batch_size))
+
+
+def static_batches(prompts: list[bs.PromptSpec], batch_size: int) -> list[StaticBatch]:
+    """Consecutive batches of `batch_size` requests (the last one may be smaller), each with its
+    requests' own output lengths: the same PromptSpecs the load generator sends."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i:i + batch_size]
+        if any(not isinstance(p.prompt, str) for p in chunk):
+            raise ValueError("static batching takes text prompts (prompt_as='text')")
+        out.append(StaticBatch([str(p.prompt) for p in chunk], [p.output_len for p in chunk]))
+    return out
 
 
 class StaticGenerate:
-    """transformers `generate` over fixed batches: left padding, greedy, exactly output_len new tokens."""
+    """transformers `generate` over fixed batches: left padding, greedy, EOS suppressed.
 
-    def __init__(self, model_dir: Path, prompts: list[bs.PromptSpec], batch_size: int, output_len: int):
-        self.model_dir, self.batch_size, self.output_len = model_dir, batch_size, output_len
-        self.prompts = prompts
+    A batch runs until its longest request is done; only each request's own tokens count as
+    output (the surplus tokens of the shorter requests are the waste of static batching).
+    """
+
+    def __init__(self, model_dir: Path, prompts: list[bs.PromptSpec], batch_size: int,
+                 bound: ComputeBound | None = None):
+        self.model_dir, self.batch_size, self.prompts, self.bound = model_dir, batch_size, prompts, bound
         self.warm = False
 
     _cache: dict[str, Any] = {}
@@ -206,13 +309,8 @@ class StaticGenerate:
             StaticGenerate._cache[key] = (tok, model.eval())
         return StaticGenerate._cache[key]
 
-    def _batches(self) -> list[list[str]]:
-        b = self.batch_size
-        n = math.ceil(max(len(self.prompts), b) / b) * b  # whole batches, at least one
-        texts = [self.prompts[i % len(self.prompts)].prompt for i in range(n)]
-        return [texts[i:i + b] for i in range(0, n, b)]
-
-    def _generate(self, texts: list[str], new_tokens: int) -> tuple[int, int]:
+    def _generate(self, texts: list[str], new_tokens: int) -> int:
+        """Generate exactly `new_tokens` for every row; returns the real (unpadded) prompt tokens."""
         import torch
 
         tok, model = self._load()
@@ -223,43 +321,115 @@ class StaticGenerate:
         produced = out.shape[1] - enc["input_ids"].shape[1]
         if produced != new_tokens:
             raise RuntimeError(f"generate produced {produced} tokens, expected {new_tokens}")
-        return int(enc["attention_mask"].sum()), len(texts) * produced
+        return int(enc["attention_mask"].sum())
 
-    def __call__(self) -> Outcome:
-        batches = self._batches()
+    def __call__(self, rate: float = math.inf) -> Outcome:
+        batches = static_batches(self.prompts, self.batch_size)
         if not self.warm:
-            self._generate(batches[0], 2)
+            self._generate(batches[0].texts, 2)
             self.warm = True
         t = time.perf_counter()
-        n_in = n_out = 0
-        for texts in batches:
-            i, o = self._generate(texts, self.output_len)
-            n_in, n_out = n_in + i, n_out + o
+        n_in = 0
+        for b in batches:
+            n_in += self._generate(b.texts, max(b.output_lens))
         elapsed = time.perf_counter() - t
-        n_req = sum(len(x) for x in batches)
+        n_out = sum(p.output_len for p in self.prompts)
+        n_req = len(self.prompts)
+        bound_s = (self.bound.seconds([p.prompt_len for p in self.prompts], [p.output_len for p in self.prompts])
+                   if self.bound is not None else math.nan)
         return Outcome(output_throughput=n_out / elapsed, total_token_throughput=(n_in + n_out) / elapsed,
-                       request_throughput=n_req / elapsed, e2e_p50_ms=math.nan,
-                       out_tokens_per_req=n_out / n_req)
+                       request_throughput=n_req / elapsed, out_tokens_per_req=n_out / n_req,
+                       duration_s=elapsed, bound_s=bound_s, pct_of_bound=pct_of_bound(bound_s, elapsed))
+
+
+# ----------------------------------------------------------------------------- rates
+
+def parse_rates(text: str) -> list[float]:
+    """'inf,2,1,0.5' -> [inf, 2.0, 1.0, 0.5]; every rate > 0, no duplicates."""
+    rates = [bs._rate(x.strip()) for x in text.split(",") if x.strip()]
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--rates needs rates > 0 (inf = burst), got {text!r}")
+    if len(set(rates)) != len(rates):
+        raise ValueError(f"--rates lists a rate twice: {text!r}")
+    return rates
+
+
+def main_rate(rates: list[float]) -> float:
+    """The rate of the main table (and of hf-static's row): the burst when swept, else the first."""
+    return math.inf if math.inf in rates else rates[0]
+
+
+def saturation_rate(systems: list[System]) -> float:
+    """jaxserve's burst request throughput (median over repeats); NaN when it was not measured."""
+    for s in systems:
+        if s.is_jaxserve:
+            return median([o.request_throughput for o in s.outcomes]) if s.outcomes else math.nan
+    return math.nan
+
+
+def frac_rate(saturation_req_s: float, frac: float) -> float:
+    """The arrival rate of the TTFT comparison: frac x the measured saturation (req/s)."""
+    if not 0 < frac <= 1:
+        raise ValueError(f"the saturation fraction must be in (0, 1], got {frac}")
+    if not (math.isfinite(saturation_req_s) and saturation_req_s > 0):
+        raise ValueError(f"no measured saturation rate to take a fraction of (got {saturation_req_s})")
+    return frac * saturation_req_s
+
+
+def rate_label(rate: float) -> str:
+    return "burst" if rate == math.inf else f"{rate:.3g}"
 
 
 # ----------------------------------------------------------------------------- report
 
-def _fmt(x: float, digits: int = 1) -> str:
+def _fmt(x: float | None, digits: int = 1) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def median_row(outcomes: list[Outcome]) -> dict[str, float]:
+    """Every Outcome field as its median over `outcomes` (NaN when there are none)."""
+    return {key: (median([getattr(o, key) for o in outcomes]) if outcomes else math.nan)
+            for key in Outcome.__dataclass_fields__}
+
+
 def summarize_systems(systems: list[System]) -> list[dict[str, Any]]:
+    """Main-table rows: medians over repeats of each system's runs at the main rate."""
+    return [{"system": s.name, "is_jaxserve": s.is_jaxserve, "repeats": len(s.outcomes), "error": s.error,
+             **median_row(s.outcomes)} for s in systems]
+
+
+def summarize_sweep(systems: list[System], rates: list[float]) -> list[dict[str, Any]]:
+    """One row per serving system and rate (main rate from `outcomes`, the rest from `sweep`)."""
     rows = []
+    main = main_rate(rates)
     for s in systems:
-        row: dict[str, Any] = {"system": s.name, "is_jaxserve": s.is_jaxserve, "repeats": len(s.outcomes),
-                               "error": s.error}
-        for key in Outcome.__dataclass_fields__:
-            row[key] = median([getattr(o, key) for o in s.outcomes]) if s.outcomes else math.nan
-        rows.append(row)
+        if not s.serving:
+            continue
+        for rate in rates:
+            runs = s.outcomes if rate == main else s.sweep.get(rate, [])
+            if runs:
+                rows.append({"system": s.name, "is_jaxserve": s.is_jaxserve, "rate": rate,
+                             "offered": rate_label(rate), "repeats": len(runs),
+                             **median_row(runs)})
     return rows
 
 
-def markdown_report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+def summarize_frac(systems: list[System]) -> list[dict[str, Any]]:
+    return [{"system": s.name, "is_jaxserve": s.is_jaxserve, "repeats": len(s.at_frac), "error": s.frac_error,
+             **median_row(s.at_frac)} for s in systems if s.serving and (s.at_frac or s.frac_error)]
+
+
+def bound_lines(bound: dict[str, Any] | None) -> list[str]:
+    if not bound:
+        return []
+    return [f"- compute bound of the workload: {bound['gflop']:.1f} GFLOP (prefill {bound['prefill_gflop']:.1f}, "
+            f"decode {bound['decode_gflop']:.1f}; of which lm_head {bound['lm_head_gflop']:.1f}) at the measured "
+            f"matmul rate {bound['gflops']:.1f} GFLOP/s ({bound['rate_source']}) = **{bound['seconds']:.2f} s**; "
+            f"\"% of bound\" = a system's bound seconds for the requests it ran / its measured duration"]
+
+
+def markdown_report(rows: list[dict[str, Any]], meta: dict[str, Any], sweep_rows: list[dict[str, Any]] | None = None,
+                    frac: dict[str, Any] | None = None) -> str:
     jax_rows = [r for r in rows if r["is_jaxserve"] and r["repeats"]]
     jax_tput = jax_rows[0]["output_throughput"] if jax_rows else math.nan
     peers = [r for r in rows if not r["is_jaxserve"] and r["repeats"]]
@@ -270,10 +440,11 @@ def markdown_report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"- model: `{meta['model']}` — {meta['model_desc']}",
         f"- workload: {meta['workload']}",
         f"- repeats: {meta['repeats']}, interleaved; each number is the median over repeats",
+        *bound_lines(meta.get("bound")),
         "",
-        "| system | output tok/s | total tok/s | req/s | TTFT p50 ms | TPOT p50 ms | E2E p50 ms "
-        "| out tok/req | failed | jaxserve ÷ system (output tok/s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| system | output tok/s | total tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | E2E p50 ms "
+        "| out tok/req | failed | % of bound | jaxserve ÷ system (output tok/s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if not r["repeats"]:
@@ -281,22 +452,59 @@ def markdown_report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         ratio = "—" if r["is_jaxserve"] else _fmt(jax_tput / r["output_throughput"], 2)
         lines.append(
             f"| {r['system']} | {_fmt(r['output_throughput'])} | {_fmt(r['total_token_throughput'])} "
-            f"| {_fmt(r['request_throughput'], 2)} | {_fmt(r['ttft_p50_ms'])} | {_fmt(r['tpot_p50_ms'])} "
-            f"| {_fmt(r['e2e_p50_ms'])} | {_fmt(r['out_tokens_per_req'])} | {_fmt(r['failed'], 0)} | {ratio} |"
+            f"| {_fmt(r['request_throughput'], 2)} | {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p99_ms'])} "
+            f"| {_fmt(r['tpot_p50_ms'])} | {_fmt(r['e2e_p50_ms'])} | {_fmt(r['out_tokens_per_req'])} "
+            f"| {_fmt(r['failed'], 0)} | {_fmt(r['pct_of_bound'])} | {ratio} |"
         )
     lines.append("")
     if best is not None and jax_rows:
         lines.append(f"**jaxserve / best peer ({best['system']}), output tok/s: "
-                     f"{_fmt(jax_tput / best['output_throughput'], 2)}**")
+                     f"{_fmt(jax_tput / best['output_throughput'], 2)}**; jaxserve at "
+                     f"{_fmt(jax_rows[0]['pct_of_bound'])}% of the compute bound")
     elif best is not None:
         lines.append(f"jaxserve was not measured; best peer: {best['system']} at "
                      f"{_fmt(best['output_throughput'])} output tok/s")
     for r in rows:
         if r["error"]:
             lines.append(f"- not measured: {r['system']} — {r['error']}")
+    if sweep_rows and len({r["rate"] for r in sweep_rows}) > 1:
+        lines += ["", "Rate sweep (Poisson arrivals at the offered rate; burst = all at t=0):", "",
+                  "| system | offered req/s | achieved req/s | output tok/s | TTFT p50 ms | TTFT p99 ms "
+                  "| TPOT p50 ms | E2E p50 ms | failed |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in sweep_rows:
+            lines.append(f"| {r['system']} | {rate_label(r['rate'])} | {_fmt(r['request_throughput'], 2)} "
+                         f"| {_fmt(r['output_throughput'])} | {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p99_ms'])} "
+                         f"| {_fmt(r['tpot_p50_ms'])} | {_fmt(r['e2e_p50_ms'])} | {_fmt(r['failed'], 0)} |")
+    if frac:
+        lines += ["", *frac_lines(frac)]
     lines += ["", "Machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()), "",
               f"Command: `{meta['command']}`"]
     return "\n".join(lines)
+
+
+def frac_lines(frac: dict[str, Any]) -> list[str]:
+    """The TTFT-at-a-fraction-of-saturation table (or the reason it is missing)."""
+    if frac.get("skipped"):
+        return [f"TTFT at {frac['frac']:g} x saturation: not measured — {frac['skipped']}"]
+    rows = frac["rows"]
+    lines = [f"TTFT at {frac['frac']:g} x jaxserve's saturation: Poisson {frac['rate']:.3g} req/s "
+             f"(saturation = jaxserve's burst throughput, {frac['saturation']:.3g} req/s):", "",
+             "| system | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | output tok/s | failed | TTFT p99 ÷ jaxserve's |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    jax = next((r for r in rows if r["is_jaxserve"] and r["repeats"]), None)
+    for r in rows:
+        if not r["repeats"]:
+            continue
+        ratio = "—" if r["is_jaxserve"] or jax is None else _fmt(r["ttft_p99_ms"] / jax["ttft_p99_ms"], 2)
+        lines.append(f"| {r['system']} | {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p99_ms'])} | {_fmt(r['tpot_p50_ms'])} "
+                     f"| {_fmt(r['output_throughput'])} | {_fmt(r['failed'], 0)} | {ratio} |")
+    peers = [r for r in rows if not r["is_jaxserve"] and r["repeats"]]
+    if jax is not None and peers:
+        lower = all(jax["ttft_p99_ms"] < r["ttft_p99_ms"] for r in peers)
+        lines += ["", f"jaxserve's TTFT p99 is {'lower' if lower else 'NOT lower'} than every peer's at this rate."]
+    lines += [f"- not measured at this rate: {r['system']} — {r['error']}" for r in rows if r["error"]]
+    return lines
 
 
 # ----------------------------------------------------------------------------- main
@@ -313,14 +521,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--prompt-len-min", type=int, default=32)
     p.add_argument("--prompt-len-max", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--request-rate", type=bs._rate, default=math.inf)
+    p.add_argument("--output-len", type=int, default=64, help="fixed output length (shortcut for min = max)")
+    p.add_argument("--output-len-min", type=int, help="output lengths drawn uniformly from [min, max] (default --output-len)")
+    p.add_argument("--output-len-max", type=int)
+    p.add_argument("--request-rate", type=bs._rate, help="one arrival rate (req/s, inf = burst); same as --rates RATE")
+    p.add_argument("--rates", help="arrival rates for the serving systems, e.g. inf,2,1,0.5 (default inf); "
+                                   "the main table is the burst run (else the first rate)")
+    p.add_argument("--ttft-at-saturation-frac", type=float, default=0.8,
+                   help="run the serving systems again at this fraction of jaxserve's burst req/s and compare "
+                        "TTFT (needs inf in --rates; 0 disables)")
     p.add_argument("--max-concurrency", type=int)
     p.add_argument("--batch-sizes", default="1,16,64", help="static-batching sizes for hf-static")
+    p.add_argument("--hf-static-max-requests", type=int,
+                   help="hf-static runs only the first N requests (at least one whole batch) per batch size")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--jaxserve-args", default="--token-buckets 32,64,128,256,512 --seq-buckets 8,16,32,64 --max-model-len 1024",
-                   help="extra `jaxserve serve` flags (buckets, context), one string")
+    p.add_argument("--jaxserve-args", default=None,
+                   help="extra `jaxserve serve` flags (buckets, context), one string "
+                        f"(default {DEFAULT_JAXSERVE_ARGS!r})")
+    p.add_argument("--matmul-gflops", type=float, help="skip the matmul-rate measurement: use this GFLOP/s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads for hf-static and hf-serve (default: torch's)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to become healthy")
@@ -329,23 +548,155 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench_vs_peers_logs")
-    p.add_argument("--smoke", action="store_true", help="tiny model, 4 requests, 1 repeat, hf-static bs=1 only")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny model, 4 requests, 1 repeat, hf-static bs=1 on 2 requests, rates inf,4 + the 80%% run")
     a = p.parse_args(argv)
+    if a.request_rate is not None and a.rates is not None:
+        raise ValueError("give --request-rate or --rates, not both")
     if a.smoke:
         if not a.model and not a.model_preset:
             a.model_preset = "tiny"
-        a.repeats, a.num_requests, a.batch_sizes = 1, 4, "1"
-        a.prompt_len_min, a.prompt_len_max, a.output_len = 16, 32, 8
+        a.repeats, a.num_requests, a.batch_sizes, a.hf_static_max_requests = 1, 4, "1", 2
+        a.prompt_len_min, a.prompt_len_max = 16, 32
+        a.output_len, a.output_len_min, a.output_len_max = 8, 4, 8
         a.systems = ",".join(s for s in a.systems.split(",") if s != "hf-serve")
-        a.start_timeout, a.timeout = min(a.start_timeout, 30.0), min(a.timeout, 20.0)
+        a.max_num_seqs, a.max_num_batched_tokens = 4, 64
+        if a.jaxserve_args is None:  # few compiled programs, so the server starts in seconds
+            a.jaxserve_args = "--token-buckets 64 --seq-buckets 4 --max-model-len 128"
+        if a.rates is None and a.request_rate is None:
+            a.rates = "inf,4"
+        a.start_timeout, a.timeout = min(a.start_timeout, 120.0), min(a.timeout, 30.0)
     elif not a.model and not a.model_preset:
         a.model_preset = "bench-small"
+    if a.jaxserve_args is None:
+        a.jaxserve_args = DEFAULT_JAXSERVE_ARGS
+    a.output_len_min = a.output_len if a.output_len_min is None else a.output_len_min
+    a.output_len_max = a.output_len if a.output_len_max is None else a.output_len_max
+    if not 1 <= a.output_len_min <= a.output_len_max:
+        raise ValueError(f"need 1 <= --output-len-min <= --output-len-max, got {a.output_len_min}, {a.output_len_max}")
+    a.rate_list = parse_rates(a.rates) if a.rates is not None else [a.request_rate or math.inf]
     if a.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
+    if not 0 <= a.ttft_at_saturation_frac <= 1:
+        raise ValueError(f"--ttft-at-saturation-frac must be in [0, 1], got {a.ttft_at_saturation_frac}")
+    if a.hf_static_max_requests is not None and a.hf_static_max_requests < 1:
+        raise ValueError(f"--hf-static-max-requests must be >= 1, got {a.hf_static_max_requests}")
     unknown = set(a.systems.split(",")) - {"jaxserve", "hf-static", "hf-serve"}
     if unknown:
         raise ValueError(f"unknown systems {sorted(unknown)}; choose from jaxserve, hf-static, hf-serve")
     return a
+
+
+DEFAULT_JAXSERVE_ARGS = "--token-buckets 32,64,128,256,512 --seq-buckets 8,16,32,64 --max-model-len 1024"
+
+
+def measure_bound(a: argparse.Namespace, model_dir: Path, prompts: list[bs.PromptSpec]) -> tuple[ComputeBound, dict[str, Any]]:
+    """The matmul rate (measured now unless --matmul-gflops) and the whole workload's compute bound."""
+    from roofline import _load_config, measure_matmul_rate
+
+    if a.matmul_gflops:
+        rate, source = a.matmul_gflops * 1e9, "given by --matmul-gflops"
+    else:
+        rate, n = measure_matmul_rate(sizes=(128, 256) if a.smoke else (512, 1024, 2048))
+        source = f"float32 jnp.dot {n}x{n}, measured at the start of this run"
+    bound = ComputeBound(_load_config(model_dir), rate)
+    flops = bound.flops([p.prompt_len for p in prompts], [p.output_len for p in prompts])
+    info = {"gflop": flops["total"] / 1e9, "prefill_gflop": flops["prefill"] / 1e9,
+            "decode_gflop": flops["decode"] / 1e9, "lm_head_gflop": flops["lm_head"] / 1e9,
+            "gflops": rate / 1e9, "seconds": flops["total"] / rate, "rate_source": source,
+            "prompt_tokens": flops["prompt_tokens"], "output_tokens": flops["output_tokens"]}
+    print(f"matmul rate {rate / 1e9:.1f} GFLOP/s; workload {info['gflop']:.1f} GFLOP -> compute bound "
+          f"{info['seconds']:.2f} s", flush=True)
+    return bound, info
+
+
+def build_systems(a: argparse.Namespace, stack: contextlib.ExitStack, model_dir: Path, base: bs.BenchConfig,
+                  prompts: list[bs.PromptSpec], bound: ComputeBound) -> list[System]:
+    wanted = a.systems.split(",")
+    env = bench_env()
+    systems: list[System] = []
+    if "jaxserve" in wanted:
+        port = free_port()
+        cmd = jaxserve_command(model_dir, port, a.max_num_seqs, a.max_num_batched_tokens, a.jaxserve_args)
+        cfg = replace(base, base_url=f"http://127.0.0.1:{port}", length_control="ignore_eos")
+        s = System("jaxserve (continuous batching)", ServerSystem(
+            stack, cmd, port, "/health", cfg, prompts, a.log_dir / "jaxserve.log", a.start_timeout, env,
+            bound=bound, fresh_cache_salt=True), is_jaxserve=True, serving=True)
+        if importlib.util.find_spec("jaxserve.cli") is None:
+            s.error = "jaxserve.cli is not importable yet"
+        systems.append(s)
+    if "hf-serve" in wanted:
+        port = free_port()
+        exe = shutil.which("transformers") or "transformers"
+        cmd = [exe, "serve", str(model_dir), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+        # `transformers serve` rejects unknown fields (ignore_eos): its own generation_config forces the length.
+        cfg = replace(base, base_url=f"http://127.0.0.1:{port}", length_control="hf_generation_config")
+        s = System("transformers serve --continuous-batching", ServerSystem(
+            stack, cmd, port, "/health", cfg, prompts, a.log_dir / "transformers_serve.log", a.start_timeout,
+            bench_env(a.torch_threads), bound=bound), serving=True)
+        if importlib.util.find_spec("fastapi") is None:
+            s.error = "`transformers serve` needs fastapi, which is not installed"
+        systems.append(s)
+    if "hf-static" in wanted:
+        for b in (int(x) for x in a.batch_sizes.split(",")):
+            n = static_requests(len(prompts), b, a.hf_static_max_requests)
+            label = f"transformers generate, static batch {b}"
+            if n < len(prompts):
+                label += f" (first {n} of {len(prompts)} requests)"
+            systems.append(System(label, StaticGenerate(model_dir, prompts[:n], b, bound)))
+    return systems
+
+
+def run_once(s: System, rate: float, tag: str, into: list[Outcome]) -> None:
+    """One measurement appended to `into`; a failure disables the system for the rest of the run."""
+    try:
+        o = s.measure(rate)
+        into.append(o)
+        print(f"[{tag}] {s.name}: {o.output_throughput:.1f} output tok/s, {o.request_throughput:.2f} req/s, "
+              f"TTFT p99 {_fmt(o.ttft_p99_ms)} ms, {_fmt(o.pct_of_bound)}% of bound", flush=True)
+    except Exception as exc:  # a system that cannot run is reported, not fatal
+        s.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        print(f"[{tag}] {s.name}: FAILED {s.error}", flush=True)
+
+
+def run_frac(systems: list[System], a: argparse.Namespace) -> dict[str, Any] | None:
+    """The serving systems once more per repeat at frac x jaxserve's measured saturation."""
+    frac = a.ttft_at_saturation_frac
+    if not frac:
+        return None
+    if math.inf not in a.rate_list:
+        return {"frac": frac, "skipped": "no burst (inf) run in --rates to measure saturation"}
+    try:
+        rate = frac_rate(saturation_rate(systems), frac)
+    except ValueError as exc:
+        return {"frac": frac, "skipped": f"jaxserve's burst run gave no saturation rate ({exc})"}
+    print(f"saturation {saturation_rate(systems):.3f} req/s -> TTFT runs at {rate:.3f} req/s", flush=True)
+    serving = [s for s in systems if s.serving and not s.error]
+    for rep in range(a.repeats):
+        for s in serving:
+            if s.frac_error:
+                continue
+            try:
+                s.at_frac.append(s.measure(rate))
+                o = s.at_frac[-1]
+                print(f"[{frac:g} x saturation, repeat {rep + 1}/{a.repeats}] {s.name}: TTFT p50 "
+                      f"{_fmt(o.ttft_p50_ms)} ms, p99 {_fmt(o.ttft_p99_ms)} ms", flush=True)
+            except Exception as exc:
+                s.frac_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    return {"frac": frac, "saturation": saturation_rate(systems), "rate": rate, "rows": summarize_frac(systems)}
+
+
+def workload_text(a: argparse.Namespace, n: int) -> str:
+    outputs = (f"{a.output_len_min} output tokens each" if a.output_len_min == a.output_len_max
+               else f"{a.output_len_min}–{a.output_len_max} output tokens per request (uniform)")
+    rates = ", ".join(rate_label(r) for r in a.rate_list)
+    arrivals = f"arrival rates swept: {rates} req/s (Poisson; burst = all at t=0)" if len(a.rate_list) > 1 else (
+        "burst (all at t=0)" if a.rate_list[0] == math.inf else f"Poisson {a.rate_list[0]:g} req/s")
+    if a.max_concurrency:
+        arrivals += f", at most {a.max_concurrency} in flight"
+    return (f"{n} requests, prompts {a.prompt_len_min}–{a.prompt_len_max} tokens of repository text (seed {a.seed}), "
+            f"{outputs}, EOS disabled, greedy, {arrivals}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,90 +705,56 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(a.model) if a.model else ensure_preset(a.model_preset, a.cache_dir, a.tokenizer_source)
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"{model_dir} is not a model dir (no config.json)")
-    wanted = a.systems.split(",")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join(x for x in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if x))
     base = bs.BenchConfig(
         base_url="", model=str(model_dir), tokenizer=str(model_dir), endpoint="completions",
-        num_requests=a.num_requests, request_rate=a.request_rate, max_concurrency=a.max_concurrency,
+        num_requests=a.num_requests, request_rate=math.inf, max_concurrency=a.max_concurrency,
         prompt_len_min=a.prompt_len_min, prompt_len_max=a.prompt_len_max,
-        output_len_min=a.output_len, output_len_max=a.output_len, prompt_as="text", seed=a.seed, timeout=a.timeout,
+        output_len_min=a.output_len_min, output_len_max=a.output_len_max, prompt_as="text", seed=a.seed,
+        timeout=a.timeout,
     )
-    # One prompt set for every system: text, so that `transformers serve` (text only) gets the same input.
+    # One prompt set for every system: text, so that `transformers serve` (text only) gets the same
+    # input, and each request's output length, which hf-static uses too.
     prompts = bs.build_prompts(base, bs.load_tokenizer(str(model_dir)))
+    bound, bound_info = measure_bound(a, model_dir, prompts)
     if a.torch_threads:
         import torch
 
         torch.set_num_threads(a.torch_threads)
 
-    systems: list[System] = []
+    main = main_rate(a.rate_list)
     with contextlib.ExitStack() as stack:
-        if "jaxserve" in wanted:
-            port = free_port()
-            cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-                   "--port", str(port), "--max-num-seqs", str(a.max_num_seqs),
-                   "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--dtype", "float32",
-                   *shlex.split(a.jaxserve_args)]
-            cfg = replace(base, base_url=f"http://127.0.0.1:{port}", length_control="ignore_eos")
-            s = System("jaxserve (continuous batching)", ServerSystem(
-                stack, cmd, port, "/health", cfg, prompts, a.log_dir / "jaxserve.log", a.start_timeout, env),
-                is_jaxserve=True)
-            if importlib.util.find_spec("jaxserve.cli") is None:
-                s.error = "jaxserve.cli is not importable yet"
-            systems.append(s)
-        if "hf-serve" in wanted:
-            port = free_port()
-            exe = shutil.which("transformers") or "transformers"
-            cmd = [exe, "serve", str(model_dir), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
-                   "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-            # `transformers serve` rejects unknown fields (ignore_eos): its own generation_config forces the length.
-            cfg = replace(base, base_url=f"http://127.0.0.1:{port}", length_control="hf_generation_config")
-            hf_env = dict(env, OMP_NUM_THREADS=str(a.torch_threads)) if a.torch_threads else env
-            s = System("transformers serve --continuous-batching", ServerSystem(
-                stack, cmd, port, "/health", cfg, prompts, a.log_dir / "transformers_serve.log", a.start_timeout, hf_env))
-            if importlib.util.find_spec("fastapi") is None:
-                s.error = "`transformers serve` needs fastapi, which is not installed"
-            systems.append(s)
-        if "hf-static" in wanted:
-            for b in (int(x) for x in a.batch_sizes.split(",")):
-                systems.append(System(f"transformers generate, static batch {b}",
-                                      StaticGenerate(model_dir, prompts, b, a.output_len)))
-
+        systems = build_systems(a, stack, model_dir, base, prompts, bound)
         for rep in range(a.repeats):
-            for s in systems:
-                if s.error:
-                    continue
-                try:
-                    s.outcomes.append(s.measure())
-                    o = s.outcomes[-1]
-                    print(f"[repeat {rep + 1}/{a.repeats}] {s.name}: {o.output_throughput:.1f} output tok/s, "
-                          f"{o.request_throughput:.2f} req/s", flush=True)
-                except Exception as exc:  # a system that cannot run is reported, not fatal
-                    s.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-                    print(f"[repeat {rep + 1}/{a.repeats}] {s.name}: FAILED {s.error}", flush=True)
+            for rate in a.rate_list:
+                for s in systems:
+                    if s.error or not (s.serving or rate == main):
+                        continue
+                    into = s.outcomes if rate == main else s.sweep.setdefault(rate, [])
+                    run_once(s, rate, f"repeat {rep + 1}/{a.repeats}, rate {rate_label(rate)}", into)
+        frac = run_frac(systems, a)
 
-    arrivals = ("burst (all at t=0)" if a.request_rate == math.inf else f"Poisson {a.request_rate:g} req/s")
-    if a.max_concurrency:
-        arrivals += f", at most {a.max_concurrency} in flight"
     meta = {
         "date": dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "model": a.model_preset or str(model_dir),
         "model_desc": describe_model(model_dir),
-        "workload": (f"{len(prompts)} requests, prompts {a.prompt_len_min}–{a.prompt_len_max} tokens of repository "
-                     f"text (seed {a.seed}), {a.output_len} output tokens each (EOS disabled), greedy, {arrivals}"),
+        "workload": workload_text(a, len(prompts)),
         "repeats": a.repeats,
+        "bound": bound_info,
         "machine": machine_info(),
         "command": " ".join(shlex.quote(x) for x in ["python", "scripts/bench_vs_peers.py", *(argv if argv is not None else sys.argv[1:])]),
     }
     rows = summarize_systems(systems)
-    md = markdown_report(rows, meta)
+    sweep_rows = summarize_sweep(systems, a.rate_list)
+    md = markdown_report(rows, meta, sweep_rows, frac)
     print(md)
     docs = None if a.no_docs else (a.docs or (None if a.smoke else REPO_ROOT / "docs" / "BENCHMARKS.md"))
     if docs is not None:
         replace_marked_section(docs, MARK_START, MARK_END, md, DOCS_HEADER)
         print(f"wrote {docs}")
     if a.json_out:
-        a.json_out.write_text(json.dumps(bs._json_safe({"meta": meta, "rows": rows}), indent=2))
+        a.json_out.parent.mkdir(parents=True, exist_ok=True)
+        a.json_out.write_text(json.dumps(bs._json_safe(
+            {"meta": meta, "rows": rows, "sweep_rows": sweep_rows, "ttft_at_saturation_frac": frac}), indent=2))
     print(f"total wall time {time.monotonic() - t_start:.1f} s")
     return 0 if any(r["repeats"] for r in rows) else 1
 

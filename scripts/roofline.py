@@ -15,6 +15,10 @@ Counting rules (kept simple and stated, so the test can check them by hand):
   position (QK^T and PV), lm_head 2 x V x H only for rows that need logits (decode: every row;
   prefill: the last token of each sequence). Norms, rotary, softmax are not counted.
 - bound = max(bytes / bandwidth, flops / flop_rate).
+- a serving workload (workload_flops): a request of P prompt tokens and O output tokens runs
+  P + O - 1 tokens through the layers (the last output token is never fed back); the token at
+  0-based position i attends to i + 1 positions; lm_head runs once per sampled token, i.e. O times
+  (the last prompt token's logits give output token 1, each fed-back output token's give the next).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -72,6 +76,47 @@ def model_shape(cfg: dict[str, Any]) -> dict[str, int]:
     }
 
 
+def forward_flops(shape: dict[str, int], tokens: int, attended_positions: int, logit_rows: int) -> dict[str, int]:
+    """FLOPs of running `tokens` tokens through every layer, attending `attended_positions` (query,
+    key) pairs in total per layer, and `logit_rows` rows through lm_head (counting rules above)."""
+    layers = shape["layers"]
+    matmul = 2 * layers * shape["matmul_params_per_layer"] * tokens
+    attention = 4 * shape["q_heads"] * shape["head_dim"] * layers * attended_positions
+    lm_head = 2 * shape["lm_head_params"] * logit_rows
+    return {"matmul": matmul, "attention": attention, "lm_head": lm_head, "total": matmul + attention + lm_head}
+
+
+def workload_flops(cfg: dict[str, Any], prompt_lens: Sequence[int], output_lens: Sequence[int]) -> dict[str, int]:
+    """FLOPs a whole serving workload must compute (prefill + decode), however it is batched.
+
+    `cfg` is a config dict (config.json contents); request k has prompt_lens[k] prompt tokens and
+    output_lens[k] >= 1 output tokens. Returns prefill / decode / total FLOPs and the parts.
+    Prefill = the prompt tokens with causal attention + one lm_head row; decode = the O - 1 fed-back
+    output tokens, each attending to its whole context, + one lm_head row each.
+    """
+    if len(prompt_lens) != len(output_lens):
+        raise ValueError(f"{len(prompt_lens)} prompt lengths but {len(output_lens)} output lengths")
+    s = model_shape(cfg)
+    prefill = dict.fromkeys(("matmul", "attention", "lm_head", "total"), 0)
+    decode = dict(prefill)
+    for p, o in zip(prompt_lens, output_lens):
+        p, o = int(p), int(o)
+        if p < 1 or o < 1:
+            raise ValueError(f"every request needs >= 1 prompt and >= 1 output token, got {p}, {o}")
+        fed = o - 1
+        # positions 0..p-1 attend to 1..p keys; fed-back token j (1..fed) sits at p + j - 1, attends p + j.
+        pre = forward_flops(s, p, p * (p + 1) // 2, 1)
+        dec = forward_flops(s, fed, fed * p + fed * (fed + 1) // 2, fed)
+        for k in prefill:
+            prefill[k] += pre[k]
+            decode[k] += dec[k]
+    return {"prefill": prefill["total"], "decode": decode["total"], "total": prefill["total"] + decode["total"],
+            "matmul": prefill["matmul"] + decode["matmul"], "attention": prefill["attention"] + decode["attention"],
+            "lm_head": prefill["lm_head"] + decode["lm_head"],
+            "requests": len(prompt_lens), "prompt_tokens": int(sum(prompt_lens)),
+            "output_tokens": int(sum(output_lens))}
+
+
 def roofline(config_path: str | Path, batch: int, context_len: int, bw: float, flops_rate: float,
              weight_bytes_per_param: int | None = None, kv_bytes_per_elem: int | None = None) -> dict[str, float]:
     """Bytes, FLOPs and time bounds of one decode step (batch rows, each attending to context_len
@@ -100,16 +145,11 @@ def roofline(config_path: str | Path, batch: int, context_len: int, bw: float, f
     kv_read = batch * context_len * kv_per_pos * kvb
     kv_write = batch * kv_per_pos * kvb
     decode_bytes = weight_bytes + kv_read + kv_write
-    attn_per_pos = 4 * s["q_heads"] * s["head_dim"]           # QK^T + PV, per query, per key position, per layer
-    decode_flops = (2 * layers * s["matmul_params_per_layer"] * batch
-                    + attn_per_pos * context_len * layers * batch
-                    + 2 * s["lm_head_params"] * batch)
+    decode_flops = forward_flops(s, batch, batch * context_len, batch)["total"]
 
     # Prefill: batch sequences of context_len tokens, causal, logits for the last token only.
     tokens = batch * context_len
-    prefill_flops = (2 * layers * s["matmul_params_per_layer"] * tokens
-                     + attn_per_pos * layers * batch * context_len * (context_len + 1) // 2
-                     + 2 * s["lm_head_params"] * batch)
+    prefill_flops = forward_flops(s, tokens, batch * context_len * (context_len + 1) // 2, batch)["total"]
     prefill_bytes = (weight_bytes - gathered_rows * wb + (0 if s["tied"] else tokens * s["hidden"] * wb)
                      + tokens * kv_per_pos * kvb)
 

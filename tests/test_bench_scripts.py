@@ -1,9 +1,12 @@
 """The benchmark tooling: bench_serving's load generator and metric arithmetic against a local
-streaming stub (the stub stands in for a server on purpose: it is the client being tested), and
-roofline's byte / FLOP counting against hand-computed values."""
+streaming stub (the stub stands in for a server on purpose: it is the client being tested),
+roofline's byte / FLOP counting (per step and per workload) against hand-computed values,
+bench_vs_peers' shared output lengths, static-batch counting, rate selection and report, and
+bench_prefix_cache's arithmetic plus one smoke run against a real `jaxserve serve`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import socket
@@ -375,3 +378,270 @@ def test_peer_report_ratios_use_medians_and_the_best_peer():
     assert "| static 16 | 80.0 |" in md and "| 1.25 |" in md                 # 100 / 80
     assert "jaxserve / best peer (static 16), output tok/s: 1.25" in md
     assert "not measured: serve — needs fastapi" in md
+
+
+# ----------------------------------------------------------------------------- workload compute bound
+
+def test_workload_flops_by_hand():
+    # TINY: 576 matmul params per layer, 2 layers, 2 q heads x head_dim 4, lm_head 32 x 8 = 256.
+    # Attention: 4 * 2 heads * 4 * 2 layers = 64 FLOPs per attended (query, key) pair.
+    # Request A: 3 prompt tokens, 1 output token -> prefill only: tokens 3, pairs 1+2+3 = 6, one lm_head row.
+    #   6912 + 384 + 512 = 7808
+    # Request B: 2 prompt, 3 output -> prefill: tokens 2, pairs 3, one row: 4608 + 192 + 512 = 5312;
+    #   decode: 2 fed-back tokens at positions 2, 3 attend 3 + 4 = 7 keys, two rows: 4608 + 448 + 1024 = 6080
+    f = rl.workload_flops(TINY, [3, 2], [1, 3])
+    assert (f["prefill"], f["decode"], f["total"]) == (7808 + 5312, 6080, 19200)
+    assert f["lm_head"] == 2 * 256 * 4             # one row per sampled token: 1 + 3
+    assert f["attention"] == 64 * (6 + 10)          # B runs 4 tokens through the layers: 1+2+3+4 pairs
+    assert f["matmul"] == 2 * 2 * 576 * (3 + 4)
+    assert (f["requests"], f["prompt_tokens"], f["output_tokens"]) == (2, 5, 4)
+    # One request of P prompt tokens and 1 output token is exactly roofline's prefill of one sequence.
+    assert rl.workload_flops(TINY, [10], [1])["total"] == rl.forward_flops(rl.model_shape(TINY), 10, 55, 1)["total"]
+    with pytest.raises(ValueError, match="output lengths"):
+        rl.workload_flops(TINY, [3], [1, 2])
+    with pytest.raises(ValueError, match=">= 1 output"):
+        rl.workload_flops(TINY, [3], [0])
+
+
+def test_compute_bound_and_share_of_a_served_run():
+    import bench_vs_peers as bvp
+
+    bound = bvp.ComputeBound(TINY, flop_rate=1920.0)
+    assert bound.seconds([3, 2], [1, 3]) == pytest.approx(10.0)  # 19200 FLOP / 1920 FLOP/s
+    R = bs.RequestResult
+    results = [R(ok=True, prompt_len=3, output_len_requested=1, output_tokens=1, ttft=0.5, e2e=0.5),
+               R(ok=True, prompt_len=2, output_len_requested=3, output_tokens=3, ttft=1.0, e2e=3.0),
+               R(ok=False, prompt_len=50, output_len_requested=9, error="HTTP 500")]
+    report = bs.compute_metrics(results, duration=20.0, slo_ttft_ms=2000, slo_tpot_ms=2000)
+    report["requests"] = [{**vars(r)} for r in results]
+    o = bvp.outcome_from_report(report, bound)
+    assert o.bound_s == pytest.approx(10.0)          # the failed request's tokens are not counted
+    assert o.pct_of_bound == pytest.approx(50.0)     # 10 s bound / 20 s measured
+    assert o.ttft_p99_ms == pytest.approx(995.0) and o.failed == 1
+
+
+# ----------------------------------------------------------------------------- shared output lengths
+
+def test_static_batching_and_the_load_generator_share_per_request_lengths(tokenizer_dir):
+    import bench_vs_peers as bvp
+
+    tok = bs.load_tokenizer(tokenizer_dir)
+    cfg = _cfg("http://unused", tokenizer_dir, num_requests=7, prompt_as="text", output_len_min=3,
+               output_len_max=9, seed=5)
+    prompts = bs.build_prompts(cfg, tok)
+    lens = [p.output_len for p in prompts]
+    assert lens == [p.output_len for p in bs.build_prompts(cfg, tok)]   # same seed -> same lengths
+    assert all(3 <= n <= 9 for n in lens) and len(set(lens)) > 1
+    batches = bvp.static_batches(prompts, 3)
+    assert [len(b.texts) for b in batches] == [3, 3, 1]
+    assert [n for b in batches for n in b.output_lens] == lens
+    assert [t for b in batches for t in b.texts] == [p.prompt for p in prompts]
+    for spec in prompts:  # what the servers are asked for: the same length, forced
+        body = bs.request_body(dataclasses.replace(cfg, length_control="ignore_eos"), spec)
+        assert body["max_tokens"] == spec.output_len and body["ignore_eos"] is True
+        hf_cfg = dataclasses.replace(cfg, length_control="hf_generation_config")
+        hf = json.loads(bs.request_body(hf_cfg, spec)["generation_config"])
+        assert hf["max_new_tokens"] == hf["min_new_tokens"] == spec.output_len
+
+
+def test_hf_static_request_cap_is_at_least_one_batch():
+    import bench_vs_peers as bvp
+
+    assert bvp.static_requests(256, 1, 16) == 16
+    assert bvp.static_requests(256, 64, 16) == 64   # a batch of 64 needs 64 requests
+    assert bvp.static_requests(10, 64, 16) == 10
+    assert bvp.static_requests(256, 16, None) == 256
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_model(tokenizer_dir, tmp_path_factory):
+    """A 1-layer transformers Qwen3 with random weights over the test tokenizer's vocabulary."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True,
+                         max_position_embeddings=256, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("hf-tiny")
+    Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_static_generate_counts_only_each_requests_own_tokens(tokenizer_dir, tiny_hf_model):
+    import bench_vs_peers as bvp
+    from roofline import _load_config
+
+    tok = bs.load_tokenizer(tokenizer_dir)
+    prompts = bs.build_prompts(_cfg("http://unused", tokenizer_dir, num_requests=5, prompt_as="text",
+                                    output_len_min=2, output_len_max=7, seed=3), tok)
+    lens = [p.output_len for p in prompts]
+    bound = bvp.ComputeBound(_load_config(tiny_hf_model), flop_rate=1e9)
+    o = bvp.StaticGenerate(tiny_hf_model, prompts, batch_size=2, bound=bound)()
+    # Batches of 2 run to their longest request (generate raises otherwise); output is the sum of own lengths.
+    assert o.out_tokens_per_req == pytest.approx(sum(lens) / 5)
+    assert o.output_throughput * o.duration_s == pytest.approx(sum(lens))
+    assert o.request_throughput * o.duration_s == pytest.approx(5)
+    expected = bound.seconds([p.prompt_len for p in prompts], lens)
+    assert o.bound_s == pytest.approx(expected) and o.pct_of_bound == pytest.approx(100 * expected / o.duration_s)
+
+
+# ----------------------------------------------------------------------------- rates and the 80% run
+
+def test_rates_saturation_and_the_fraction():
+    import bench_vs_peers as bvp
+
+    assert bvp.parse_rates("inf,2,1,0.5") == [math.inf, 2.0, 1.0, 0.5]
+    assert bvp.main_rate([2.0, math.inf]) == math.inf and bvp.main_rate([2.0, 1.0]) == 2.0
+    for bad in ("", "0", "inf,inf", "-1"):
+        with pytest.raises(ValueError):
+            bvp.parse_rates(bad)
+
+    def run(req_s):
+        return bvp.Outcome(output_throughput=1.0, total_token_throughput=1.0, request_throughput=req_s)
+
+    systems = [bvp.System("hf", measure=lambda r: None, serving=True, outcomes=[run(9.0)]),
+               bvp.System("jax", measure=lambda r: None, is_jaxserve=True, serving=True,
+                          outcomes=[run(2.0), run(4.0), run(3.0)])]
+    assert bvp.saturation_rate(systems) == 3.0          # jaxserve's median burst req/s, not a peer's
+    assert bvp.frac_rate(3.0, 0.8) == pytest.approx(2.4)
+    assert math.isnan(bvp.saturation_rate(systems[:1]))
+    for sat, frac in ((math.nan, 0.8), (0.0, 0.8), (3.0, 0.0), (3.0, 1.5)):
+        with pytest.raises(ValueError):
+            bvp.frac_rate(sat, frac)
+
+
+def test_fraction_runs_every_serving_system_per_repeat_at_one_rate():
+    import argparse
+
+    import bench_vs_peers as bvp
+
+    seen: list[tuple[str, float]] = []
+
+    def server(name: str, ttft_p99: float):
+        # Stands in for a live server: records the rate it was driven at.
+        def measure(rate: float) -> bvp.Outcome:
+            seen.append((name, rate))
+            return bvp.Outcome(output_throughput=10.0, total_token_throughput=20.0, request_throughput=rate,
+                               ttft_p50_ms=ttft_p99 / 2, ttft_p99_ms=ttft_p99, tpot_p50_ms=5.0)
+        return measure
+
+    burst = [bvp.Outcome(output_throughput=1.0, total_token_throughput=1.0, request_throughput=r) for r in (5.0, 4.0)]
+    systems = [bvp.System("jax", server("jax", 100.0), is_jaxserve=True, serving=True, outcomes=burst),
+               bvp.System("hf-serve", server("hf", 300.0), serving=True, outcomes=burst[:1]),
+               bvp.System("static", lambda r: pytest.fail("static batching has no arrival rate"), outcomes=burst)]
+    a = argparse.Namespace(ttft_at_saturation_frac=0.8, rate_list=[math.inf, 1.0], repeats=2)
+    frac = bvp.run_frac(systems, a)
+    assert frac["saturation"] == pytest.approx(4.5) and frac["rate"] == pytest.approx(3.6)
+    assert sorted(seen) == sorted([("jax", pytest.approx(3.6)), ("hf", pytest.approx(3.6))] * 2)
+    assert [(r["system"], r["repeats"]) for r in frac["rows"]] == [("jax", 2), ("hf-serve", 2)]
+    md = "\n".join(bvp.frac_lines(frac))
+    assert "| hf-serve | 150.0 | 300.0 | 5.0 | 10.0 | 0 | 3.00 |" in md
+    assert "TTFT p99 is lower than every peer's" in md
+    assert bvp.run_frac(systems, argparse.Namespace(ttft_at_saturation_frac=0.0, rate_list=[math.inf], repeats=1)) is None
+    skipped = bvp.run_frac(systems, argparse.Namespace(ttft_at_saturation_frac=0.8, rate_list=[1.0], repeats=1))
+    assert "no burst" in skipped["skipped"]
+
+
+def test_peer_report_has_bound_sweep_and_fraction_tables():
+    import bench_vs_peers as bvp
+
+    def o(tput, req_s, pct=math.nan):
+        return bvp.Outcome(output_throughput=tput, total_token_throughput=tput, request_throughput=req_s,
+                           ttft_p99_ms=10.0, pct_of_bound=pct)
+
+    jax = bvp.System("jax", lambda r: None, is_jaxserve=True, serving=True, outcomes=[o(100, 4, 40.0), o(120, 5, 60.0)],
+                     sweep={1.0: [o(30, 1.0)]})
+    static = bvp.System("static 16", lambda r: None, outcomes=[o(50, 2, 10.0)])
+    rates = [math.inf, 1.0]
+    rows = bvp.summarize_systems([jax, static])
+    sweep = bvp.summarize_sweep([jax, static], rates)
+    assert [(r["system"], r["offered"], r["output_throughput"]) for r in sweep] == [("jax", "burst", 110), ("jax", "1", 30)]
+    meta = {"date": "d", "model": "m", "model_desc": "x", "workload": "w", "repeats": 2, "machine": {"cpu": "c"},
+            "command": "c", "bound": {"gflop": 12.0, "prefill_gflop": 4.0, "decode_gflop": 8.0, "lm_head_gflop": 6.0,
+                                      "gflops": 100.0, "seconds": 0.12, "rate_source": "measured"}}
+    md = bvp.markdown_report(rows, meta, sweep, {"frac": 0.8, "skipped": "jaxserve failed"})
+    assert "12.0 GFLOP" in md and "100.0 GFLOP/s" in md and "**0.12 s**" in md
+    assert "| jax | 110.0 | 110.0 | 4.50 | — | 10.0 | — | — | — | 0 | 50.0 | — |" in md   # median of 40 and 60 %
+    assert "| static 16 | 50.0 |" in md and "| 10.0 | 2.20 |" in md
+    assert "jaxserve at 50.0% of the compute bound" in md
+    assert "| jax | 1 | 1.00 | 30.0 |" in md and "| jax | burst | 4.50 | 110.0 |" in md
+    assert "not measured — jaxserve failed" in md
+
+
+def test_peer_cli_output_lengths_and_rates():
+    import bench_vs_peers as bvp
+
+    a = bvp.parse_args(["--output-len", "48"])
+    assert (a.output_len_min, a.output_len_max, a.rate_list) == (48, 48, [math.inf])
+    a = bvp.parse_args(["--output-len-min", "32", "--output-len-max", "512", "--rates", "inf,2"])
+    assert (a.output_len_min, a.output_len_max, a.rate_list) == (32, 512, [math.inf, 2.0])
+    assert bvp.parse_args(["--request-rate", "3"]).rate_list == [3.0]
+    with pytest.raises(ValueError, match="not both"):
+        bvp.parse_args(["--rates", "inf", "--request-rate", "1"])
+    with pytest.raises(ValueError, match="output-len-min"):
+        bvp.parse_args(["--output-len-min", "9", "--output-len-max", "8"])
+    smoke = bvp.parse_args(["--smoke"])
+    assert smoke.rate_list == [math.inf, 4.0] and smoke.ttft_at_saturation_frac == 0.8
+    assert smoke.hf_static_max_requests == 2 and smoke.output_len_min < smoke.output_len_max
+
+
+def test_marked_section_is_appended_to_a_file_without_markers(tmp_path):
+    doc = tmp_path / "BENCH.md"
+    doc.write_text("# Benchmarks\n\n<!-- a:start -->\nA\n<!-- a:end -->\n")
+    bench_common.replace_marked_section(doc, "<!-- b:start -->", "<!-- b:end -->", "B", header="# unused")
+    assert doc.read_text() == "# Benchmarks\n\n<!-- a:start -->\nA\n<!-- a:end -->\n\n<!-- b:start -->\nB\n<!-- b:end -->\n"
+
+
+# ----------------------------------------------------------------------------- bench_prefix_cache
+
+def test_prefix_cache_summary_ratios_and_schedule():
+    import bench_prefix_cache as bpc
+
+    s = bpc.summarize_ttft([0.1, 0.2, 0.3, 0.4, 0.5], [0.01, 0.02, 0.05])
+    assert s["uncached"] == {"n": 5, "median_ms": pytest.approx(300.0), "p90_ms": pytest.approx(460.0)}  # pos 3.6
+    assert s["cached"]["median_ms"] == pytest.approx(20.0) and s["cached"]["p90_ms"] == pytest.approx(44.0)  # pos 1.8
+    assert s["ratio_median"] == pytest.approx(15.0) and s["ratio_p90"] == pytest.approx(460 / 44)
+    assert bpc.schedule(3) == [(0, "uncached"), (0, "cached"), (1, "cached"), (1, "uncached"),
+                               (2, "uncached"), (2, "cached")]
+    qs = bpc.questions(20)
+    assert len(set(qs)) == 20
+    S = bpc.Sample
+    samples = [S("uncached", 0, 0.3, 0, 1010, True), S("cached", 0, 0.03, 1008, 1010, True),
+               S("uncached", 1, 0.5, 0, 1012, True), S("cached", 1, math.nan, None, None, False, "HTTP 500: x")]
+    r = bpc.report(samples)
+    assert (r["uncached"]["n"], r["cached"]["n"], r["cached"]["failed"]) == (2, 1, 1)
+    assert r["ratio_median"] == pytest.approx(400 / 30) and r["cached"]["cached_tokens_median"] == 1008
+    meta = {"date": "d", "model": "m", "model_desc": "x", "workload": "w", "machine": {"cpu": "c"}, "command": "c"}
+    md = bpc.markdown_report(r, meta)
+    assert "| cached (shared cache_salt) | 1 | 30.0 | 30.0 | 1008 | 1 |" in md
+    assert "TTFT uncached / cached: 13.33x at the median" in md and "HTTP 500: x" in md
+
+
+def test_prefix_cache_system_prompt_has_the_asked_length(tokenizer_dir):
+    import bench_prefix_cache as bpc
+
+    tok = bs.load_tokenizer(tokenizer_dir)
+    text, n = bpc.system_prompt(tok, 150)
+    assert n == len(tok.encode(text, add_special_tokens=False)) and abs(n - 150) <= 2
+
+
+def test_prefix_cache_smoke_run(tmp_path):
+    """The whole script against a real `jaxserve serve` (tiny preset, 4 questions)."""
+    import subprocess
+
+    import os
+
+    out = tmp_path / "pc.json"
+    # The server needs one device, not the 8 fake ones conftest asks for (fewer threads, faster start).
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_prefix_cache.py"), "--smoke", "--json-out", str(out),
+                           "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["uncached"]["n"] == summary["cached"]["n"] == 4
+    assert summary["uncached"]["cached_tokens_median"] == 0        # a fresh salt never hits
+    assert summary["cached"]["cached_tokens_median"] >= 128        # the 200-token system prompt, whole pages
+    assert "TTFT uncached / cached" in proc.stdout
