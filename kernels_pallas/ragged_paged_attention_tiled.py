@@ -2,14 +2,20 @@
 
 The reference (ragged_paged_attention_reference.py) gathers the KV context once per query row,
 which is right for decode but repeats the same gather q_len times for a prefill chunk. Here the
-query rows are cut into *work items*: tiles of up to `block_q` consecutive rows of one sequence
-(the same tiling the GPU kernel uses). Each work item gathers its sequence's pages once per KV
-chunk and computes a [block_q * G, chunk] score block per KV head, with an online softmax over
-chunks. `block_q` is chosen statically from the bucket: 1 for decode-only shapes (T == S), up to
-64 when a step holds long prefill chunks.
+sequences of a step are split by what they need:
 
-Static sizes: W = min(T, T // block_q + S) work items (each sequence adds at most one partial
-tile); one chunk gathers `2 * W * chunk * KVH * D` float32 values.
+- decode sequences (one new token): one work item per sequence, all of them batched through one
+  loop over KV chunks (an online softmax; the chunk is sized so one gathered chunk of every
+  sequence stays in cache, at most 128 tokens); each chunk gathers every decode sequence's
+  pages at once. A step's decodes are the bulk of its KV reads and this keeps them in a few big ops.
+- chunk sequences (two or more new tokens: prefill chunks): tiles of `block_q` consecutive rows of
+  one sequence, visited by a loop whose trip count is the number of live tiles (data, not shape);
+  each tile gathers only its own sequence's pages, once per KV chunk, up to its own causal end.
+
+Splitting matters for mixed steps (many decodes + a long prefill chunk): one tiling for both made
+every decode item as tall as a prefill tile, or every prefill tile as short as a decode row (which
+re-gathered the chunk's context once per few rows). Each tile's rows are written with a select, so
+rows outside a sequence (and padding rows) keep zeros and stale or NaN slots never leak.
 """
 from __future__ import annotations
 
@@ -22,12 +28,139 @@ from jax import lax
 from kernels_pallas._checks import CHUNK_TOKENS, MASK_VALUE, check_attention_args
 
 _MAX_BLOCK_Q = 64
+_TILE_CHUNK_TOKENS = 256  # KV positions per step of a prefill tile's loop
+# Bytes of K gathered per step of the batched decode loop: chunks that stay in the CPU's cache
+# measured 1.4-1.8x faster than 128-token chunks for 64 decodes (docs/BENCHMARKS.md).
+_DECODE_CHUNK_BYTES = 2 << 20
+
+
+def _decode_chunk_pages(num_seqs: int, page_size: int, kv_heads: int, head_dim: int, max_pages: int) -> int:
+    """Pages per step of the decode loop: the most (a power of two, at most CHUNK_TOKENS worth) whose
+    gathered K for all sequences fits _DECODE_CHUNK_BYTES (float32)."""
+    per_page = num_seqs * page_size * kv_heads * head_dim * 4
+    pages = max(1, CHUNK_TOKENS // page_size)
+    while pages > 1 and pages * per_page > _DECODE_CHUNK_BYTES:
+        pages //= 2
+    return min(pages, max_pages)
 
 
 def default_block_q(num_tokens: int, max_seqs: int) -> int:
-    """Rows per work item: the largest power of two <= T / S (capped), so decode gets 1."""
-    per_seq = max(1, num_tokens // max(max_seqs, 1))
-    return min(_MAX_BLOCK_Q, 1 << (per_seq.bit_length() - 1))
+    """Rows per prefill tile: the largest power of two <= T, capped at 64.
+
+    (`max_seqs` is accepted for call compatibility; decode sequences never use tiles.)"""
+    return min(_MAX_BLOCK_Q, 1 << (max(1, num_tokens).bit_length() - 1))
+
+
+def _online_softmax_step(carry, s, v, mask, einsum_pv: str):
+    """One KV chunk of the online softmax. s: scores [..., C] (already masked), mask like s."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    l = alpha * l + p.sum(axis=-1)
+    acc = alpha[..., None] * acc + jnp.einsum(einsum_pv, p, v)
+    return m_new, l, acc
+
+
+def _scores(q, k, einsum_qk: str, sm_scale: float, soft_cap: float | None, mask) -> jax.Array:
+    s = jnp.einsum(einsum_qk, q, k) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    return jnp.where(mask, s, MASK_VALUE)
+
+
+def _decode_rows(qf, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, is_decode, *, sm_scale,
+                 sliding_window, soft_cap) -> jax.Array:
+    """Attention of every decode sequence's single row, batched: [S, H, D] float32 (row s is
+    sequence s's output; sequences that are not decodes get zeros)."""
+    T, H, D = qf.shape
+    S, MP = page_tables.shape
+    num_pages, ps, KVH, _ = k_pages.shape
+    G = H // KVH
+    cp = _decode_chunk_pages(S, ps, KVH, D, MP)
+    chunk = cp * ps
+    num_chunks_static = -(-MP // cp)
+    tables = jnp.pad(page_tables, ((0, 0), (0, num_chunks_static * cp - MP)))
+    ctx = jnp.where(is_decode, seq_lens, 0)                                      # [S]
+    q_rows = qf[jnp.clip(cu_q_lens[:-1], 0, T - 1)].reshape(S, KVH, G, D)
+
+    def body(c, carry):
+        pages = jnp.clip(lax.dynamic_slice_in_dim(tables, c * cp, cp, axis=1), 0, num_pages - 1)
+        kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)                  # [C]
+        valid = kv_pos[None, :] < ctx[:, None]                                   # [S, C]; the row sits at ctx - 1
+        if sliding_window is not None:
+            valid &= (ctx[:, None] - 1) - kv_pos[None, :] < sliding_window
+        k = k_pages[pages].reshape(S, chunk, KVH, D).astype(jnp.float32)
+        v = v_pages[pages].reshape(S, chunk, KVH, D).astype(jnp.float32)
+        # Stale (even NaN) V outside every row's mask must not reach 0 * NaN in the sum.
+        v = jnp.where(valid[:, :, None, None], v, 0.0)
+        mask = valid[:, None, None, :]                                           # [S, 1, 1, C]
+        s = _scores(q_rows, k, "skgd,sckd->skgc", sm_scale, soft_cap, mask)       # [S, KVH, G, C]
+        return _online_softmax_step(carry, s, v, mask, "skgc,sckd->skgd")
+
+    num_chunks = jnp.minimum((jnp.max(ctx) + chunk - 1) // chunk, num_chunks_static)
+    init = (jnp.full((S, KVH, G), MASK_VALUE, jnp.float32), jnp.zeros((S, KVH, G), jnp.float32),
+            jnp.zeros((S, KVH, G, D), jnp.float32))
+    _, l, acc = lax.fori_loop(0, num_chunks, body, init)
+    return (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(S, H, D)
+
+
+def _chunk_tiles(qf, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, q_len, is_chunk, *, bq, sm_scale,
+                 sliding_window, soft_cap) -> jax.Array:
+    """Attention of every row of the multi-token sequences, tile by tile: [T, H, D] float32 with
+    zeros in every other row."""
+    T, H, D = qf.shape
+    S, MP = page_tables.shape
+    num_pages, ps, KVH, _ = k_pages.shape
+    G = H // KVH
+    cp = max(1, min(MP, _TILE_CHUNK_TOKENS // ps))
+    chunk = cp * ps
+    num_chunks_static = -(-MP // cp)
+    tables = jnp.pad(page_tables, ((0, 0), (0, num_chunks_static * cp - MP)))
+    tiles = jnp.where(is_chunk, (q_len + bq - 1) // bq, 0)                      # [S]
+    tile_end = jnp.cumsum(tiles)
+    q_padded = jnp.pad(qf, ((0, bq), (0, 0), (0, 0)))                            # a tile may run past T
+
+    def tile(i, out):
+        s = jnp.minimum(jnp.searchsorted(tile_end, i, side="right").astype(jnp.int32), S - 1)
+        first = cu_q_lens[s] + (i - (tile_end[s] - tiles[s])) * bq
+        rows = first + jnp.arange(bq, dtype=jnp.int32)                           # [bq]
+        row_ok = rows < cu_q_lens[s + 1]
+        ctx = seq_lens[s]
+        row_pos = ctx - q_len[s] + (rows - cu_q_lens[s])                         # [bq]
+        # [KVH, bq * G, D]: row-major over (row, group) so a row's mask repeats over its G heads.
+        qt = lax.dynamic_slice_in_dim(q_padded, first, bq).reshape(bq, KVH, G, D)
+        qt = qt.transpose(1, 0, 2, 3).reshape(KVH, bq * G, D)
+        table = tables[s]
+        last = jnp.max(jnp.where(row_ok, row_pos, 0))
+        hi = jnp.minimum(last // chunk + 1, num_chunks_static)
+        lo = 0
+        if sliding_window is not None:
+            lo = jnp.maximum(jnp.min(jnp.where(row_ok, row_pos, last)) - sliding_window + 1, 0) // chunk
+
+        def body(c, carry):
+            pages = jnp.clip(lax.dynamic_slice_in_dim(table, c * cp, cp), 0, num_pages - 1)
+            kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)               # [C]
+            valid = row_ok[:, None] & (kv_pos[None, :] <= row_pos[:, None])       # [bq, C]
+            if sliding_window is not None:
+                valid &= row_pos[:, None] - kv_pos[None, :] < sliding_window
+            mask = jnp.broadcast_to(valid[:, None, :], (bq, G, chunk)).reshape(1, bq * G, chunk)
+            k = k_pages[pages].reshape(chunk, KVH, D).astype(jnp.float32).transpose(1, 0, 2)
+            v = v_pages[pages].reshape(chunk, KVH, D).astype(jnp.float32).transpose(1, 0, 2)
+            v = jnp.where((kv_pos < ctx)[None, :, None], v, 0.0)                 # stale / NaN slots
+            sc = _scores(qt, k, "kqd,kcd->kqc", sm_scale, soft_cap, mask)         # [KVH, bq*G, C]
+            return _online_softmax_step(carry, sc, v, mask, "kqc,kcd->kqd")
+
+        init = (jnp.full((KVH, bq * G), MASK_VALUE, jnp.float32), jnp.zeros((KVH, bq * G), jnp.float32),
+                jnp.zeros((KVH, bq * G, D), jnp.float32))
+        _, l, acc = lax.fori_loop(lo, hi, body, init)
+        res = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(KVH, bq, G, D).transpose(1, 0, 2, 3)
+        res = res.reshape(bq, H, D)
+        current = lax.dynamic_slice_in_dim(out, first, bq)
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(row_ok[:, None, None], res, current), first, 0)
+
+    out = lax.fori_loop(0, tile_end[-1], tile, jnp.zeros((T + bq, H, D), jnp.float32))
+    return out[:T]
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q"))
@@ -45,70 +178,20 @@ def ragged_paged_attention_tiled(
     soft_cap: float | None = None,
     block_q: int | None = None,
 ) -> jax.Array:  # [T, H, D], q.dtype
-    """Same contract and numbers as the reference (docs/CONTRACTS.md), tiled by sequence."""
-    dims = check_attention_args(
+    """Same contract and numbers as the reference (docs/CONTRACTS.md); block_q = rows per prefill tile."""
+    check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
     )
-    T, H, D = q.shape
-    S, MP = page_tables.shape
-    ps, KVH, G = dims.page_size, dims.num_kv_heads, dims.group
+    T = q.shape[0]
+    S = page_tables.shape[0]
     bq = block_q or default_block_q(T, S)
-    W = min(T, T // bq + S)
-    cp = max(1, min(MP, CHUNK_TOKENS // ps))
-    chunk = cp * ps
-    num_chunks_static = -(-MP // cp)
-    tables = jnp.pad(page_tables, ((0, 0), (0, num_chunks_static * cp - MP)))
-
-    # Work items: tile i of sequence s covers rows cu[s] + i*bq ... (clipped to the sequence).
-    live_seq = jnp.arange(S, dtype=jnp.int32) < num_seqs[0]
-    q_len = jnp.where(live_seq, cu_q_lens[1:] - cu_q_lens[:-1], 0)              # [S]
-    tiles = (q_len + bq - 1) // bq
-    tile_end = jnp.cumsum(tiles)                                                # [S]
-    w = jnp.arange(W, dtype=jnp.int32)
-    w_seq = jnp.minimum(jnp.searchsorted(tile_end, w, side="right").astype(jnp.int32), S - 1)
-    w_live = w < tile_end[-1]
-    first = cu_q_lens[w_seq] + (w - (tile_end[w_seq] - tiles[w_seq])) * bq      # [W]
-    rows = first[:, None] + jnp.arange(bq, dtype=jnp.int32)[None, :]            # [W, bq]
-    row_ok = w_live[:, None] & (rows < cu_q_lens[w_seq + 1][:, None])
-    ctx = jnp.where(w_live, seq_lens[w_seq], 0)                                  # [W]
-    row_pos = ctx[:, None] - q_len[w_seq][:, None] + (rows - cu_q_lens[w_seq][:, None])
-    w_tables = tables[w_seq]                                                     # [W, chunks * cp]
-
-    qb = q[jnp.clip(rows, 0, T - 1)].astype(jnp.float32).reshape(W, bq, KVH, G, D)
-
-    def body(c, carry):
-        m, l, acc = carry  # [W, KVH, G, bq] x2, [W, KVH, G, bq, D]
-        pages = jnp.clip(lax.dynamic_slice_in_dim(w_tables, c * cp, cp, axis=1), 0, dims.num_pages - 1)
-        kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)                  # [C]
-        mask = row_ok[:, :, None] & (kv_pos[None, None, :] <= row_pos[:, :, None])  # [W, bq, C]
-        if sliding_window is not None:
-            mask &= row_pos[:, :, None] - kv_pos[None, None, :] < sliding_window
-        k = k_pages[pages].reshape(W, chunk, KVH, D).astype(jnp.float32)
-        v = v_pages[pages].reshape(W, chunk, KVH, D).astype(jnp.float32)
-        # Stale (even NaN) V outside every row's mask must not reach 0 * NaN in the sum.
-        v = jnp.where((kv_pos[None, :] < ctx[:, None])[:, :, None, None], v, 0.0)
-        s = jnp.einsum("wqkgd,wckd->wkgqc", qb, k) * sm_scale                  # [W, KVH, G, bq, C]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        mask5 = mask[:, None, None, :, :]
-        s = jnp.where(mask5, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(mask5, jnp.exp(s - m_new[..., None]), 0.0)
-        l = alpha * l + p.sum(axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("wkgqc,wckd->wkgqd", p, v)
-        return m_new, l, acc
-
-    num_chunks = jnp.minimum((jnp.max(ctx) + chunk - 1) // chunk, num_chunks_static)
-    init = (
-        jnp.full((W, KVH, G, bq), MASK_VALUE, jnp.float32),
-        jnp.zeros((W, KVH, G, bq), jnp.float32),
-        jnp.zeros((W, KVH, G, bq, D), jnp.float32),
-    )
-    _, l, acc = lax.fori_loop(0, num_chunks, body, init)
-    blocks = acc / jnp.where(l > 0, l, 1.0)[..., None]                          # [W, KVH, G, bq, D]
-    blocks = blocks.transpose(0, 3, 1, 2, 4).reshape(W * bq, H, D)
-    target = jnp.where(row_ok, rows, T).reshape(-1)                             # padding -> dropped
-    out = jnp.zeros((T, H, D), jnp.float32).at[target].set(blocks, mode="drop")
+    live = jnp.arange(S, dtype=jnp.int32) < num_seqs[0]
+    q_len = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)                  # [S]
+    is_decode = q_len == 1
+    qf = q.astype(jnp.float32)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = _chunk_tiles(qf, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, q_len, q_len >= 2, bq=bq, **kw)
+    decoded = _decode_rows(qf, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, is_decode, **kw)
+    out = out.at[jnp.where(is_decode, cu_q_lens[:-1], T)].set(decoded, mode="drop")  # others -> dropped
     return out.astype(q.dtype)

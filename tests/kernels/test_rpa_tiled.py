@@ -48,8 +48,8 @@ def test_tiled_ignores_nan_outside_live_slots():
     np.testing.assert_array_equal(_check(poisoned, block_q=8), _check(clean, block_q=8))
 
 
-def test_default_block_q_is_one_for_decode_and_grows_with_chunks():
-    assert default_block_q(64, 64) == 1
-    assert default_block_q(512, 16) == 32
-    assert default_block_q(512, 64) == 8
+def test_default_block_q_is_the_largest_power_of_two_up_to_64():
+    assert default_block_q(64, 64) == 64
+    assert default_block_q(48, 8) == 32
+    assert default_block_q(8, 8) == 8
     assert default_block_q(4096, 4) == 64
