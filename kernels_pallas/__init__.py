@@ -58,8 +58,8 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention on the default backend: tpu -> Mosaic kernel, gpu -> Triton kernel,
-    anything else -> the tiled jnp path (same numbers as the reference, one KV gather per tile of
-    a sequence's rows instead of per row)."""
+    anything else -> the tiled jnp path (same numbers as the reference; decodes batched, prefill
+    chunks in tiles of their own rows)."""
     backend = jax.default_backend()
     args = (q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
