@@ -43,6 +43,13 @@ if str(REPO_ROOT) not in sys.path:  # run from a checkout without `pip install -
 
 MARK_START = "<!-- bench_vs_peers:start -->"
 MARK_END = "<!-- bench_vs_peers:end -->"
+
+
+def section_markers(section: str | None) -> tuple[str, str]:
+    """The markers of the docs section this run rewrites (one section per model / workload)."""
+    if not section:
+        return MARK_START, MARK_END
+    return f"<!-- bench_vs_peers:{section}:start -->", f"<!-- bench_vs_peers:{section}:end -->"
 DOCS_HEADER = "# Benchmarks\n\nNumbers measured by the scripts in `scripts/`; each section names its command.\n"
 
 QWEN_VOCAB = 151936
@@ -546,6 +553,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="bound on each load-generator run, seconds")
     p.add_argument("--docs", type=Path, help="markdown file to update (default docs/BENCHMARKS.md; none in --smoke)")
     p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--docs-section", help="name of the marked docs section to rewrite (default: the unnamed one)")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench_vs_peers_logs")
     p.add_argument("--smoke", action="store_true",
@@ -749,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     docs = None if a.no_docs else (a.docs or (None if a.smoke else REPO_ROOT / "docs" / "BENCHMARKS.md"))
     if docs is not None:
-        replace_marked_section(docs, MARK_START, MARK_END, md, DOCS_HEADER)
+        replace_marked_section(docs, *section_markers(a.docs_section), md, DOCS_HEADER)
         print(f"wrote {docs}")
     if a.json_out:
         a.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -357,6 +357,20 @@ def test_marked_section_is_replaced_without_touching_the_rest(tmp_path):
         bench_common.replace_marked_section(doc, start, end, "x", header="")
 
 
+def test_named_docs_sections_are_rewritten_independently(tmp_path):
+    import bench_vs_peers as bvp
+
+    doc = tmp_path / "BENCH.md"
+    small, big = bvp.section_markers("bench-small"), bvp.section_markers("bench-105m")
+    assert bvp.section_markers(None) == (bvp.MARK_START, bvp.MARK_END)
+    assert len({*small, *big, bvp.MARK_START}) == 5
+    bench_common.replace_marked_section(doc, *small, "small v1", header="# H")
+    bench_common.replace_marked_section(doc, *big, "big v1", header="# H")
+    bench_common.replace_marked_section(doc, *small, "small v2", header="# H")
+    text = doc.read_text()
+    assert "small v2" in text and "big v1" in text and "small v1" not in text
+
+
 def test_peer_report_ratios_use_medians_and_the_best_peer():
     import bench_vs_peers as bvp
 
