@@ -91,15 +91,12 @@ def _no_attention(q, k_pages, v_pages, *args, **kwargs):
 
 
 def _timed_ms(fn, repeats: int) -> float:
+    """Median milliseconds of fn() run to completion (after one warm-up call)."""
     import jax
 
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    import roofline as rl
+
+    return rl.median_time(lambda: jax.block_until_ready(fn()), repeats) * 1e3
 
 
 def step_breakdown(core, repeats: int) -> dict[str, float]:
@@ -180,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     model_cfg = ModelConfig.from_hf(cfg_dict)
     weights = init_random(model_cfg, seed=0, dtype=jnp.float32)
     bw = rl.measure_copy_bandwidth(backend="numpy")
+    read_bw = rl.measure_read_bandwidth()
     rate, _ = rl.measure_matmul_rate()
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg_dict))
@@ -190,15 +188,18 @@ def main(argv: list[str] | None = None) -> int:
             row["bound_tokens_per_s"] = bound["decode_tokens_per_s"]
             row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
             row["bound_kind"] = bound["decode_bound"]
+            read_bound = rl.roofline(Path(d) / "config.json", b, args.context, read_bw, rate)
+            row["fraction_of_read_bound"] = row["tokens_per_s"] / read_bound["decode_tokens_per_s"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\nmachine: copy {bw / 1e9:.1f} GB/s, matmul {rate / 1e9:.1f} GFLOP/s; preset {args.preset}, "
-          f"context {args.context}")
-    print("| batch | step ms | tok/s | bound tok/s | % of bound | limited by | host share |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\nmachine: copy {bw / 1e9:.1f} GB/s, read {read_bw / 1e9:.1f} GB/s, matmul {rate / 1e9:.1f} GFLOP/s; "
+          f"preset {args.preset}, context {args.context}")
+    print("| batch | step ms | tok/s | bound tok/s | % of bound | limited by | % of bound at read bandwidth | host share |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['bound_tokens_per_s']:.0f} | "
-              f"{100 * r['fraction_of_bound']:.0f}% | {r['bound_kind']} | {100 * r['host_fraction']:.1f}% |")
+              f"{100 * r['fraction_of_bound']:.0f}% | {r['bound_kind']} | {100 * r['fraction_of_read_bound']:.0f}% | "
+              f"{100 * r['host_fraction']:.1f}% |")
     if args.breakdown:
         parts = ("forward", "attention", "lm_head", "layers_and_rest", "sampler", "host", "detokenize")
         print("\nWhere a decode step's time goes (ms, each part timed alone; attention = forward minus the "
@@ -211,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['batch']} | {r['step_ms']:.1f} | " + " | ".join(f"{b[k]:.1f}" for k in parts)
                   + f" | {100 * share:.1f}% |")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"bandwidth": bw, "matmul_rate": rate, "rows": rows}, indent=2))
+        Path(args.json_out).write_text(json.dumps({"bandwidth": bw, "read_bandwidth": read_bw, "matmul_rate": rate,
+                                                     "rows": rows}, indent=2))
     return 0
 
 

@@ -170,7 +170,8 @@ def roofline(config_path: str | Path, batch: int, context_len: int, bw: float, f
     }
 
 
-def _median_time(fn, repeats: int) -> float:
+def median_time(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls of fn (which must wait for its own result)."""
     fn()  # warm-up: page faults, compilation
     times = []
     for _ in range(repeats):
@@ -186,17 +187,29 @@ def measure_copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, backend: s
     if backend == "numpy":
         src = np.ones(n, dtype=np.float32)
         dst = np.empty_like(src)
-        t = _median_time(lambda: np.copyto(dst, src), repeats)
+        t = median_time(lambda: np.copyto(dst, src), repeats)
     elif backend == "jax":
         import jax
         import jax.numpy as jnp
 
         x = jnp.ones(n, dtype=jnp.float32)
         copy = jax.jit(lambda a: a + 1.0)  # a fresh output buffer: one read + one write (x + 0 may be elided)
-        t = _median_time(lambda: copy(x).block_until_ready(), repeats)
+        t = median_time(lambda: copy(x).block_until_ready(), repeats)
     else:
         raise ValueError(f"backend must be 'numpy' or 'jax', got {backend!r}")
     return 2 * n * 4 / t
+
+
+def measure_read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s of XLA streaming through a large float32 array (a jitted sum: reads only). A decode
+    step mostly reads (weights, KV), so this is the bandwidth it can hope for; the copy bandwidth
+    above is the roofline's stated denominator."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones(nbytes // 4, dtype=jnp.float32)
+    total = jax.jit(jnp.sum)
+    return nbytes / median_time(lambda: total(x).block_until_ready(), repeats)
 
 
 def measure_matmul_rate(sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 3) -> tuple[float, int]:
@@ -209,7 +222,7 @@ def measure_matmul_rate(sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int
     for n in sizes:
         a = jnp.ones((n, n), jnp.float32)
         b = jnp.ones((n, n), jnp.float32)
-        rate = 2 * n**3 / _median_time(lambda: dot(a, b).block_until_ready(), repeats)
+        rate = 2 * n**3 / median_time(lambda: dot(a, b).block_until_ready(), repeats)
         if rate > best:
             best, best_n = rate, n
     return best, best_n

@@ -15,10 +15,10 @@ def test_breakdown_reports_every_part_and_compiles_nothing_after_warmup(tmp_path
     assert bench_engine.main(["--preset", "tiny", "--batches", "2", "--context", "24", "--steps", "3",
                               "--repeats", "2", "--breakdown", "--json-out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["bandwidth"] > 0 and report["matmul_rate"] > 0
+    assert report["bandwidth"] > 0 and report["read_bandwidth"] > 0 and report["matmul_rate"] > 0
     (row,) = report["rows"]
     assert row["batch"] == 2 and row["recompiles"] == 0
-    assert row["tokens_per_s"] > 0 and 0 < row["fraction_of_bound"]
+    assert row["tokens_per_s"] > 0 and 0 < row["fraction_of_bound"] and 0 < row["fraction_of_read_bound"]
     parts = row["breakdown_ms"]
     assert set(parts) == {"forward", "attention", "lm_head", "layers_and_rest", "sampler", "host", "detokenize"}
     assert all(v >= 0 for v in parts.values())
