@@ -67,6 +67,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "--kv-cache-memory)")
     g.add_argument("--kv-cache-memory", type=_size, default=256 * 2**20, help="bytes for the KV pool, e.g. 2GiB")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan and dispatch step n+1 before step n's tokens are fetched")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="shorthand for --mesh 1xN")
     g.add_argument("--mesh", type=_mesh, default=None, help="device mesh DATAxMODEL (default 1x1)")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, else the checkpoint's), float32, "
@@ -101,6 +103,7 @@ def _engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  
         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+        async_scheduling=args.async_scheduling,
         dtype=None if args.dtype == "auto" else args.dtype, mesh_shape=mesh,
         attention_backend=args.attention_backend, token_buckets=token_buckets, seq_buckets=seq_buckets,
         compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,

@@ -17,6 +17,7 @@ def test_serve_defaults_are_cpu_friendly():
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (2048, 16, 256)
     assert cfg.resolved_token_buckets() == (16, 64, 256) and cfg.resolved_seq_buckets() == (16,)
     assert cfg.enable_prefix_caching and cfg.mesh_shape == (1, 1) and cfg.dtype is None
+    assert cfg.async_scheduling
 
 
 def test_engine_flags_reach_the_engine_config():
@@ -24,13 +25,15 @@ def test_engine_flags_reach_the_engine_config():
                         "--page-size", "32", "--num-kv-pages", "99", "--kv-cache-memory", "2GiB",
                         "--no-enable-prefix-caching", "--mesh", "2x4", "--dtype", "bfloat16",
                         "--scheduling-policy", "priority", "--token-buckets", "32,1024",
-                        "--compilation-cache-dir", "/tmp/x", "--max-waiting-requests", "7")
+                        "--compilation-cache-dir", "/tmp/x", "--max-waiting-requests", "7",
+                        "--no-async-scheduling")
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.page_size) == (512, 8, 128, 32)
     assert cfg.num_kv_pages == 99 and cfg.kv_cache_memory == 2 * 2**30 and not cfg.enable_prefix_caching
     assert cfg.mesh_shape == (2, 4) and cfg.dtype == "bfloat16" and cfg.scheduling_policy == "priority"
     # buckets above the step budget are dropped; the budget itself is always a bucket
     assert cfg.token_buckets == (32, 128) and cfg.seq_buckets == (8,)
     assert cfg.compilation_cache_dir == "/tmp/x" and cfg.max_waiting_requests == 7
+    assert not cfg.async_scheduling
     assert engine_config("--token-buckets", "auto").resolved_token_buckets() == (16, 32, 64, 128, 256)
     assert engine_config("--tensor-parallel-size", "4").mesh_shape == (1, 4)
 
