@@ -44,11 +44,17 @@ def _decode_chunk_pages(num_seqs: int, page_size: int, kv_heads: int, head_dim: 
     return min(pages, max_pages)
 
 
-def default_block_q(num_tokens: int, max_seqs: int) -> int:
-    """Rows per prefill tile: the largest power of two <= T, capped at 64.
-
-    (`max_seqs` is accepted for call compatibility; decode sequences never use tiles.)"""
+def default_block_q(num_tokens: int) -> int:
+    """Rows per prefill tile: the largest power of two <= T, capped at 64 (decodes never use tiles)."""
     return min(_MAX_BLOCK_Q, 1 << (max(1, num_tokens).bit_length() - 1))
+
+
+def _chunked_tables(page_tables: jax.Array, pages_per_chunk: int) -> tuple[jax.Array, int]:
+    """Page tables padded to whole chunks of `pages_per_chunk` pages, and the static chunk count."""
+    max_pages = page_tables.shape[-1]
+    num_chunks = -(-max_pages // pages_per_chunk)
+    pad = [(0, 0)] * (page_tables.ndim - 1) + [(0, num_chunks * pages_per_chunk - max_pages)]
+    return jnp.pad(page_tables, pad), num_chunks
 
 
 def _online_softmax_step(carry, s, v, mask, einsum_pv: str):
@@ -79,8 +85,7 @@ def _decode_rows(qf, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, is_deco
     G = H // KVH
     cp = _decode_chunk_pages(S, ps, KVH, D, MP)
     chunk = cp * ps
-    num_chunks_static = -(-MP // cp)
-    tables = jnp.pad(page_tables, ((0, 0), (0, num_chunks_static * cp - MP)))
+    tables, num_chunks_static = _chunked_tables(page_tables, cp)
     ctx = jnp.where(is_decode, seq_lens, 0)                                      # [S]
     q_rows = qf[jnp.clip(cu_q_lens[:-1], 0, T - 1)].reshape(S, KVH, G, D)
 
@@ -115,8 +120,7 @@ def _chunk_tiles(qf, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, q_len, 
     G = H // KVH
     cp = max(1, min(MP, _TILE_CHUNK_TOKENS // ps))
     chunk = cp * ps
-    num_chunks_static = -(-MP // cp)
-    tables = jnp.pad(page_tables, ((0, 0), (0, num_chunks_static * cp - MP)))
+    tables, num_chunks_static = _chunked_tables(page_tables, cp)
     tiles = jnp.where(is_chunk, (q_len + bq - 1) // bq, 0)                      # [S]
     tile_end = jnp.cumsum(tiles)
     q_padded = jnp.pad(qf, ((0, bq), (0, 0), (0, 0)))                            # a tile may run past T
@@ -185,7 +189,7 @@ def ragged_paged_attention_tiled(
     )
     T = q.shape[0]
     S = page_tables.shape[0]
-    bq = block_q or default_block_q(T, S)
+    bq = block_q or default_block_q(T)
     live = jnp.arange(S, dtype=jnp.int32) < num_seqs[0]
     q_len = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)                  # [S]
     is_decode = q_len == 1

@@ -49,7 +49,7 @@ def test_tiled_ignores_nan_outside_live_slots():
 
 
 def test_default_block_q_is_the_largest_power_of_two_up_to_64():
-    assert default_block_q(64, 64) == 64
-    assert default_block_q(48, 8) == 32
-    assert default_block_q(8, 8) == 8
-    assert default_block_q(4096, 4) == 64
+    assert default_block_q(64) == 64
+    assert default_block_q(48) == 32
+    assert default_block_q(8) == 8
+    assert default_block_q(4096) == 64
