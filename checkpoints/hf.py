@@ -37,14 +37,18 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
     name = str(name_or_path)
     if name.count("/") != 1 or name.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model directory {name!r} does not exist")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
     try:
         return Path(snapshot_download(name, local_files_only=True))
     except Exception as e:  # the hub raises several types for "not cached"
+        why = "" if isinstance(e, LocalEntryNotFoundError) else f" ({type(e).__name__}: {e})"
+        # `from None`: the hub's chained traceback says nothing the message does not.
         raise FileNotFoundError(
-            f"model {name!r} is not in the local Hugging Face cache and jaxserve does not download. "
-            f"Fetch it first on a machine with network access, e.g. `huggingface-cli download {name}`, "
-            f"or pass a local directory with config.json and *.safetensors") from e
+            f"model {name!r} is neither a local directory nor in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}){why}, and jaxserve never downloads. Fetch it first with "
+            f"`hf download {name}` (on a machine with network access; the `hf` command comes with "
+            f"huggingface_hub), or pass a local directory with config.json and *.safetensors.") from None
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

@@ -1,8 +1,7 @@
 """`jaxserve serve | generate | convert | bench`: argparse -> EngineConfig / ServerConfig -> server/.
 
-Defaults are CPU-friendly (the embedded model starts in well under a minute on 2 cores): few
-declared buckets, a 2048-token context, 16 sequences, 256 tokens per step. Raise them on an
-accelerator (e.g. `--max-num-seqs 128 --max-num-batched-tokens 2048 --token-buckets auto`).
+Engine sizes left unset (None) are chosen from the machine and the model when the engine starts
+(jaxserve/capacity.py); an explicit flag always wins.
 """
 
 from __future__ import annotations
@@ -55,33 +54,56 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF model directory or cached hub id (default: the embedded "
                    "jaxserve-tiny model, random weights)")
-    g.add_argument("--max-model-len", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=16)
-    g.add_argument("--max-num-batched-tokens", type=int, default=256)
-    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=None, help="longest context (prompt + output) in "
+                   "tokens (default: the model's max_position_embeddings, lowered to what the KV pool holds)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences that run at once (default: 256, "
+                   "lowered to one per 256 tokens of KV pool)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default: "
+                   "CPU 512-2048 from the model's FLOPs per token, GPU 2048 or 8192 from 70 GiB, TPU 1024)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages (default: from "
-                   "--kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", type=_size, default=256 * 2**20, help="bytes for the KV pool, e.g. 2GiB")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+                   "--kv-cache-memory, else --memory-utilization)")
+    g.add_argument("--kv-cache-memory", type=_size, default=None, help="bytes for the KV pool per device, e.g. "
+                   "2GiB (default: from --memory-utilization)")
+    g.add_argument("--memory-utilization", type=_fraction, default=None, help="share of device memory the "
+                   "engine may use; the KV pool gets what weights and step temporaries leave (default: 0.9 on "
+                   "GPU/TPU, 0.5 of the available RAM on CPU, where the pool is also capped at 2048 tokens "
+                   "per sequence)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share KV pages of identical prompt prefixes between requests")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="plan and dispatch step n+1 before step n's tokens are fetched")
-    g.add_argument("--tensor-parallel-size", type=int, default=None, help="shorthand for --mesh 1xN")
-    g.add_argument("--mesh", type=_mesh, default=None, help="device mesh DATAxMODEL (default 1x1)")
+    g.add_argument("--tensor-parallel-size", type=int, default=None, help="shorthand for --mesh 1xN "
+                   "(default: from --mesh)")
+    g.add_argument("--mesh", type=_mesh, default=None, help="device mesh DATAxMODEL (default: 1x1)")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, else the checkpoint's), float32, "
                    "bfloat16, float16")
-    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
-    g.add_argument("--token-buckets", type=_buckets, default=(16, 64, 256),
-                   help="declared step sizes in tokens, comma-separated, or 'auto' (powers of two)")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="waiting order: arrival, or the request's priority (lower first) then arrival")
+    g.add_argument("--token-buckets", type=_buckets, default=None,
+                   help="declared step sizes in tokens, comma-separated, or 'auto' (default: auto = 16 x 4^k "
+                   "below half the budget, then half the budget and the budget)")
     g.add_argument("--seq-buckets", type=_buckets, default=None,
-                   help="declared sequence-count buckets, or 'auto' (default: just --max-num-seqs)")
-    g.add_argument("--attention-backend", choices=("auto", "reference", "tpu", "gpu"), default="auto")
-    g.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache")
-    g.add_argument("--max-waiting-requests", type=int, default=1024)
-    g.add_argument("--seed", type=int, default=0)
+                   help="declared sequence-count buckets, or 'auto' (default: auto = 4 x 4^k, then "
+                   "--max-num-seqs)")
+    g.add_argument("--attention-backend", choices=("auto", "reference", "tpu", "gpu"), default="auto",
+                   help="attention implementation; auto picks the platform's kernel")
+    g.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache directory; "
+                   "'' turns it off (default: $XDG_CACHE_HOME or ~/.cache, then jaxserve/xla)")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="queued sequences beyond which new requests get 429")
+    g.add_argument("--seed", type=int, default=0, help="seeds the random seeds of requests that bring none")
 
 
 def _engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  # noqa: F821
@@ -93,64 +115,106 @@ def _engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  
             raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} contradicts --mesh "
                              f"{args.mesh[0]}x{args.mesh[1]}")
         mesh = (mesh[0], args.tensor_parallel_size)
-    token_buckets = args.token_buckets
-    if token_buckets is not None:  # keep only buckets the step budget can use, and always the budget
-        token_buckets = tuple(sorted({b for b in token_buckets if b < args.max_num_batched_tokens}
-                                     | {args.max_num_batched_tokens}))
-    seq_buckets = args.seq_buckets if args.seq_buckets is not None else (args.max_num_seqs,)
     return EngineConfig(
         model_id=model_id, page_size=args.page_size, num_kv_pages=args.num_kv_pages,
-        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+        kv_cache_memory=args.kv_cache_memory, memory_utilization=args.memory_utilization,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
         dtype=None if args.dtype == "auto" else args.dtype, mesh_shape=mesh,
-        attention_backend=args.attention_backend, token_buckets=token_buckets, seq_buckets=seq_buckets,
+        attention_backend=args.attention_backend, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets,
         compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,
         seed=args.seed)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM serving engine")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    sub = parser.add_subparsers(dest="command", required=True)
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends every flag's default to its help (scripts/bench_serving.py uses it too). A help text
+    that already names its default is left as written: it explains a None default better than
+    "None" does, and keeps a default read from the environment (--api-key) out of --help."""
 
-    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if ("default" in help_text or action.default is argparse.SUPPRESS or action.required
+                or not action.option_strings):
+            return help_text
+        shown = _show_default(action.default).replace("%", "%%")  # help texts are %-format strings
+        return f"{help_text} (default: {shown})".lstrip()
+
+
+def _show_default(value: object) -> str:
+    """How a default reads in --help: (16, 64, 256) as 16,64,256; None and [] as none."""
+    if value is None or value == []:
+        return "none"
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand parser that rejects unknown flags itself, so the error shows the subcommand's
+    usage (argparse would hand them up to the top-level parser, which prints `usage: jaxserve`)."""
+
+    def parse_known_args(self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM serving engine",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                        help="logging level")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
+
+    s = command("serve", "run the OpenAI-compatible HTTP server")
     _engine_args(s)
     g = s.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: --model, or jaxserve-tiny)")
     g.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSERVE_API_KEY)")
-    g.add_argument("--request-timeout", type=_positive_float, default=None, help="seconds per request")
-    g.add_argument("--max-request-bytes", type=_size, default=16 * 2**20)
+    g.add_argument("--request-timeout", type=_positive_float, default=None,
+                   help="seconds per request (default: no limit)")
+    g.add_argument("--max-request-bytes", type=_size, default=16 * 2**20, help="largest request body")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM")
-    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="log one line per HTTP request")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    gen = sub.add_parser("generate", help="generate one completion and print it as it streams")
+    gen = command("generate", "generate one completion and print it as it streams")
     _engine_args(gen)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[])
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--no-progress", action="store_true")
+    g = gen.add_argument_group("request")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest tokens; -1 = all")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed of this request (default: a random one)")
+    g.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-sequence token")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    c = sub.add_parser("convert", help="convert a HF checkpoint to an orbax checkpoint directory")
-    c.add_argument("src")
-    c.add_argument("dst")
-    c.add_argument("--dtype", default=None, help="default: the checkpoint's dtype")
+    c = command("convert", "convert a HF checkpoint to an orbax checkpoint directory")
+    c.add_argument("src", help="HF model directory or cached hub id")
+    c.add_argument("dst", help="output directory")
+    c.add_argument("--dtype", default=None, help="weight dtype to store (default: the checkpoint's dtype)")
 
-    b = sub.add_parser("bench", help="run scripts/bench_serving.py against a server (args passed through)")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    # Only listed here for `jaxserve --help`: main() hands everything after `bench` to the script.
+    b = command("bench", "load-test an OpenAI-compatible server (scripts/bench_serving.py; see "
+                "`jaxserve bench --help`)")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of scripts/bench_serving.py")
     return parser
 
 

@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jaxserve import buckets
+
 # architecture name -> family; a family fixes which optional parts exist (biases, q/k norms).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -20,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+VOCAB_PAD = 128
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                 "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
@@ -71,6 +74,11 @@ class ModelConfig:
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The vocabulary padded to a multiple of VOCAB_PAD, so it splits evenly over the model axis."""
+        return math.ceil(self.vocab_size / VOCAB_PAD) * VOCAB_PAD
 
     @classmethod
     def from_hf(cls, config: str | Path | dict[str, Any]) -> "ModelConfig":
@@ -221,57 +229,61 @@ def _parse_hf(cfg: dict) -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs a model: KV pool, per-step budgets, declared buckets, mesh."""
+    """How the engine runs a model: KV pool, per-step budgets, declared buckets, mesh.
+
+    Fields left None are sized from the machine and the model when the engine starts
+    (`capacity.plan_capacity`; the start-up log says what was chosen and why)."""
 
     model_id: str = "model"
     page_size: int = 16
-    num_kv_pages: int | None = None          # None: derived from kv_cache_memory
-    kv_cache_memory: int = 256 * 1024 ** 2   # bytes for the whole pool when num_kv_pages is None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
+    num_kv_pages: int | None = None          # None: from kv_cache_memory, else from memory_utilization
+    kv_cache_memory: int | None = None       # bytes for the whole pool (per device)
+    memory_utilization: float | None = None  # share of device memory (CPU: of available RAM) for the engine
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None         # None: the model's max_position_embeddings (bounded by the pool)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"          # "fcfs" | "priority"
     dtype: str | None = None                 # None: float32 on CPU, the checkpoint's dtype elsewhere
     mesh_shape: tuple[int, int] = (1, 1)     # (data, model)
     attention_backend: str = "auto"          # "auto" | "reference" | "tpu" | "gpu"
-    token_buckets: tuple[int, ...] | None = None   # None: powers of two up to max_num_batched_tokens
-    seq_buckets: tuple[int, ...] | None = None     # None: powers of two up to max_num_seqs
-    compilation_cache_dir: str | None = None
+    token_buckets: tuple[int, ...] | None = None   # None: the geometric ladder (buckets.py)
+    seq_buckets: tuple[int, ...] | None = None     # None: the geometric ladder (buckets.py)
+    compilation_cache_dir: str | None = None  # None: the user's cache dir; "": no persistent cache
     max_waiting_requests: int = 1024
     seed: int = 0
     async_scheduling: bool = True            # plan and dispatch step n+1 while step n runs on the device
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_pages",
+                     "kv_cache_memory"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-        if self.num_kv_pages is not None and self.num_kv_pages <= 0:
-            raise ValueError(f"EngineConfig.num_kv_pages must be positive, got {self.num_kv_pages}")
+        if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"EngineConfig.memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"EngineConfig.scheduling_policy must be 'fcfs' or 'priority', "
                              f"got {self.scheduling_policy!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if (self.max_num_batched_tokens is not None and self.max_num_seqs is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
             raise ValueError("EngineConfig.max_num_batched_tokens must be >= max_num_seqs "
                              "(every running sequence needs one decode token per step)")
+
+    def require_resolved(self) -> "EngineConfig":
+        """Self, if every size is set (the engine resolves them with capacity.plan_capacity)."""
+        unset = [n for n in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_pages")
+                 if getattr(self, n) is None]
+        if unset:
+            raise ValueError(f"EngineConfig fields {unset} are unset; resolve them with capacity.plan_capacity")
+        return self
 
     @property
     def max_pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.page_size)
 
     def resolved_token_buckets(self) -> tuple[int, ...]:
-        return self.token_buckets or _powers_of_two(min(16, self.max_num_batched_tokens),
-                                                    self.max_num_batched_tokens)
+        return buckets.token_buckets(self)
 
     def resolved_seq_buckets(self) -> tuple[int, ...]:
-        return self.seq_buckets or _powers_of_two(min(4, self.max_num_seqs), self.max_num_seqs)
-
-
-def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    out.append(hi)
-    return tuple(out)
+        return buckets.seq_buckets(self)

@@ -63,12 +63,11 @@ class EngineCore:
     def __init__(self, model_cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh,
                  dtype: Any = jnp.float32) -> None:
         self.model_cfg = model_cfg
-        self.engine_cfg = engine_cfg
         self.runner = ModelRunner(model_cfg, weights, engine_cfg, mesh, dtype)
+        self.engine_cfg = engine_cfg = self.runner.engine_cfg  # every size resolved
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
                                        engine_cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(dataclasses.replace(engine_cfg, num_kv_pages=self.runner.num_pages),
-                                   self.allocator)
+        self.scheduler = Scheduler(engine_cfg, self.allocator)
         self._rng = random.Random(engine_cfg.seed)
         self.timings = StepTimings()
         self.num_prefill_tokens = 0   # prompt tokens computed (prefix-cache hits excluded)

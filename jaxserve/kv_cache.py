@@ -37,19 +37,6 @@ class KVPages:
         return self.k[0].shape[1]
 
 
-def page_bytes(cfg: ModelConfig, page_size: int, dtype: Any) -> int:
-    """Bytes one page occupies over all layers, K and V."""
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
-
-
-def pages_for_memory(cfg: ModelConfig, page_size: int, dtype: Any, budget_bytes: int) -> int:
-    num = budget_bytes // page_bytes(cfg, page_size, dtype)
-    if num < 1:
-        raise ValueError(f"--kv-cache-memory {budget_bytes} bytes holds no page "
-                         f"({page_bytes(cfg, page_size, dtype)} bytes each)")
-    return int(num)
-
-
 def kv_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
     rules = sharding.rules_for(logical_dims(cfg), mesh)
     return sharding.named(mesh, *KV_AXES, rules=rules)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -40,22 +41,34 @@ def resolve_dtype(requested: str | None, checkpoint_dtype: str) -> Any:
     return jnp.dtype(normalize_dtype_name(requested))
 
 
+def default_compilation_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve" / "xla"
+
+
+def enable_compilation_cache(directory: str | None) -> Path | None:
+    """Turns on JAX's persistent compilation cache (None: the user's cache dir; "": off), so a
+    restart loads its programs instead of compiling them. Returns the directory in use."""
+    if directory == "":
+        return None
+    path = Path(directory).expanduser() if directory is not None else default_compilation_cache_dir()
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
 def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
                      progress: Callable[[int, int, str], None] | None = None, warmup: bool = True
                      ) -> tuple[EngineCore, Tokenizer, Path]:
     """Model dir (None: the embedded default) -> (warmed-up EngineCore, tokenizer, resolved dir)."""
     model_dir = resolve_model_dir(model) if model is not None else default_model_dir()
-    if engine_cfg.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", str(engine_cfg.compilation_cache_dir))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    enable_compilation_cache(engine_cfg.compilation_cache_dir)
     dtype = resolve_dtype(engine_cfg.dtype, ModelConfig.from_hf(model_dir).dtype)
     mesh = make_mesh(*engine_cfg.mesh_shape)
     model_cfg, weights = load_model(model_dir, mesh, dtype)
-    if engine_cfg.max_model_len > model_cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len {engine_cfg.max_model_len} exceeds the model's "
-                         f"max_position_embeddings {model_cfg.max_position_embeddings}")
-    tokenizer = Tokenizer.from_pretrained(model_dir)
+    # The KV pool is filled asynchronously on the device: the tokenizer loads meanwhile.
     core = EngineCore(model_cfg, weights, engine_cfg, mesh, dtype)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
     if warmup:
         core.runner.warmup(progress)
     return core, tokenizer, model_dir
@@ -81,10 +94,16 @@ class RequestOutput:
 class LLM:
     """Offline generation: `LLM(model=DIR).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str | Path | None = None, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str | Path | None = None, *, show_progress: bool = True,
+                 **engine_kwargs: Any) -> None:
+        """engine_kwargs are EngineConfig fields. show_progress: the server's progress bars on stderr
+        while the model loads and every bucket compiles (minutes on large models)."""
+        from jaxserve.server.launch import model_loader  # the server's bars; imports uvicorn, so lazily
+
         model_id = str(model) if model is not None else "jaxserve-tiny"
         self.engine_cfg = EngineConfig(model_id=model_id, **engine_kwargs)
-        self.core, self.tokenizer, self.model_dir = load_engine_core(model, self.engine_cfg)
+        load = model_loader(str(model) if model is not None else None, self.engine_cfg, show_progress)
+        self.core, self.tokenizer, self.model_dir = load()
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None

@@ -27,7 +27,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve import kv_cache, sharding
+from jaxserve.capacity import plan_capacity
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.machine import machine_info
 from jaxserve.model.attention import make_attention
 from jaxserve.model.paged import forward_paged
 from jaxserve.model.weights import Weights
@@ -69,12 +71,16 @@ class CompileCounter:
 # and buckets starts without compiling.
 # Step inputs arrive packed in one int32 buffer (jaxserve/packing.py): one transfer per program.
 def _forward_packed(weights: Weights, kv: kv_cache.KVPages, packed: jax.Array, spec: PackSpec, cfg: ModelConfig,
-                    attention_fn: Callable[..., jax.Array], prev_ids: jax.Array
+                    attention_fn: Callable[..., jax.Array], prev_ids: jax.Array, lm_head_block: int
                     ) -> tuple[jax.Array, kv_cache.KVPages]:
-    return forward_paged(weights, cfg, kv, unpack(packed, spec), attention_fn, prev_ids)
+    return forward_paged(weights, cfg, kv, unpack(packed, spec), attention_fn, prev_ids, lm_head_block)
 
 
-_forward_step = jax.jit(_forward_packed, static_argnames=("spec", "cfg", "attention_fn"), donate_argnames=("kv",))
+_forward_step = jax.jit(_forward_packed, static_argnames=("spec", "cfg", "attention_fn", "lm_head_block"),
+                        donate_argnames=("kv",))
+# On a CPU the lm_head is most of a decode step: skip the padding rows of a sequence bucket
+# (blocks of 64 rows stay compute-bound). Accelerators run the whole bucket in one product.
+CPU_LM_HEAD_BLOCK = 64
 
 
 def _sample_and_keep(logits: jax.Array, packed: jax.Array, spec: PackSpec, vocab_size: int,
@@ -93,18 +99,23 @@ class ModelRunner:
                  dtype: Any = jnp.float32) -> None:
         CompileCounter.install()
         self.model_cfg = model_cfg
-        self.engine_cfg = engine_cfg
         self.mesh = mesh
         self.weights = weights
         self.dtype = jnp.dtype(dtype)
-        num_pages = engine_cfg.num_kv_pages or kv_cache.pages_for_memory(
-            model_cfg, engine_cfg.page_size, self.dtype, engine_cfg.kv_cache_memory)
+        # Unset sizes (pool, batch limits, context, buckets) come from the machine and the model.
+        self.capacity = plan_capacity(engine_cfg, model_cfg, machine_info(mesh), self.dtype.itemsize,
+                                      mesh.shape[sharding.MODEL_AXIS])
+        for line in self.capacity.lines:
+            logger.info("%s", line)
+        self.engine_cfg = engine_cfg = self.capacity.engine
+        num_pages = engine_cfg.num_kv_pages
         self.kv = kv_cache.allocate(model_cfg, num_pages, engine_cfg.page_size, self.dtype, mesh)
         self.num_pages = num_pages
         self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size)
         self.history_buckets = history_buckets(engine_cfg.max_model_len, model_cfg.vocab_size)
         self._replicated = sharding.replicated(mesh)
         self._attention = make_attention(engine_cfg.attention_backend, model_cfg, mesh)
+        self.lm_head_block = CPU_LM_HEAD_BLOCK if mesh.devices.flat[0].platform == "cpu" else 0
         self._rows_width = max(s for _, s in self.builder.buckets)  # the largest sampler row bucket
         # [rows_width] int32: the last dispatched step's sampled ids, on the device
         self._prev_ids = self._put(np.zeros(self._rows_width, np.int32))
@@ -136,7 +147,7 @@ class ModelRunner:
     def _forward_args(self, arrays: StepArrays) -> dict[str, Any]:
         packed, spec = pack(arrays)
         return dict(kv=self.kv, packed=self._put(packed), spec=spec, cfg=self.model_cfg,
-                    attention_fn=self._attention, prev_ids=self._prev_ids)
+                    attention_fn=self._attention, prev_ids=self._prev_ids, lm_head_block=self.lm_head_block)
 
     def _forward(self, arrays: StepArrays) -> tuple[jax.Array, kv_cache.KVPages]:
         return _forward_step(self.weights, **self._forward_args(arrays))
@@ -149,6 +160,14 @@ class ModelRunner:
         packed, spec = pack(tensors)
         return _sample_step(logits, self._put(packed), spec=spec, vocab_size=self.model_cfg.vocab_size,
                             width=self._rows_width)
+
+    def compiled_sampler(self, rows: int, width: int) -> jax.stages.Compiled:
+        """The compiled sampler for `rows` rows and history width `width` (for memory inspection)."""
+        packed, spec = pack(_dummy_sampling(rows, width))
+        logits = jax.ShapeDtypeStruct((rows, self.model_cfg.padded_vocab_size), jnp.float32,
+                                      sharding=self._replicated)
+        return _sample_step.lower(logits, self._put(packed), spec=spec, vocab_size=self.model_cfg.vocab_size,
+                                  width=self._rows_width).compile()
 
     @staticmethod
     def fetch(out: SamplerOutput) -> SamplerOutput:

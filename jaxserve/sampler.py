@@ -52,12 +52,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS,
-                                      SamplingParams)
+from jaxserve.buckets import history_bucket, history_buckets  # noqa: F401  (history_buckets: re-exported)
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 NUM_TOP_LOGPROBS = MAX_LOGPROBS     # width of SamplerOutput.top_ids / top_logprobs
-MIN_HISTORY_BUCKET = 64
-MAX_EOS_IDS = 64                    # slack for EOS ids banned before min_tokens (bucket bound only)
 GREEDY_TEMPERATURE = 1e-5           # temperatures below this are treated as greedy (avoids inf/inf)
 _PRNG_IMPL = "threefry2x32"
 _DRAW_BLOCK = 128                   # columns per block of the two-level CDF in _draw
@@ -78,31 +76,6 @@ class SamplerOutput(NamedTuple):
     logprobs: jax.Array        # [R] f32   logprob of token_ids under the processed distribution
     top_ids: jax.Array         # [R, 20] int32  sorted by logprob desc; -1 where fewer real tokens
     top_logprobs: jax.Array    # [R, 20] f32    -inf where top_ids is -1
-
-
-def history_buckets(max_model_len: int, vocab_size: int | None = None) -> list[int]:
-    """Every token-table width H that `from_rows` can produce for this model (0 = no table).
-
-    The model runner precompiles these (times its row buckets). The largest bucket covers a row
-    whose whole context is distinct tokens plus a full logit_bias and the stop/EOS ids.
-    """
-    if max_model_len < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-    limit = max_model_len + MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + MAX_EOS_IDS
-    if vocab_size is not None:
-        limit = min(limit, vocab_size)  # ids in a row's table are distinct
-    buckets, h = [0], MIN_HISTORY_BUCKET
-    while True:
-        buckets.append(h)
-        if h >= limit:
-            return buckets
-        h *= 2
-
-
-def _history_bucket(n: int) -> int:
-    if n == 0:
-        return 0
-    return max(MIN_HISTORY_BUCKET, 1 << (n - 1).bit_length())
 
 
 def _seed_words(seed: int) -> tuple[int, int]:
@@ -201,7 +174,7 @@ class SamplingTensors(NamedTuple):
             table = _row_table(row, vocab_size)
             if table is not None:
                 tables.append((i, table))
-        h = _history_bucket(max((t[0].size for _, t in tables), default=0))
+        h = history_bucket(max((t[0].size for _, t in tables), default=0), vocab_size)
         table_ids = np.full((num_rows, h), -1, np.int32)
         table_counts = np.zeros((num_rows, h), np.int32)
         table_seen = np.zeros((num_rows, h), bool)

@@ -123,8 +123,9 @@ class Scheduler:
         if num_kv_pages is not None and num_kv_pages != allocator.num_pages:
             raise ValueError(f"num_kv_pages {num_kv_pages} != allocator pages {allocator.num_pages}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(cfg, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+            if getattr(cfg, name) is None or getattr(cfg, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (resolve unset sizes with capacity.plan_capacity), "
+                                 f"got {getattr(cfg, name)}")
         self.config = cfg
         self.allocator = allocator
         self._priority = cfg.scheduling_policy == "priority"

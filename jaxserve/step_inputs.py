@@ -20,6 +20,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from jaxserve.buckets import choose_bucket, declared_buckets
 from jaxserve.config import EngineConfig
 from jaxserve.sampler import SamplingRow, SamplingTensors
 from jaxserve.sampling_params import SamplingParams
@@ -45,20 +46,6 @@ class StepInputs(NamedTuple):
     sampling: SamplingTensors
     num_samples: int           # leading rows of the sampler output that are real
     copies: np.ndarray         # [C, 2] int32 (src, dst) page copies before the step; may be empty
-
-
-def declared_buckets(cfg: EngineConfig) -> list[tuple[int, int]]:
-    """All (T, S) step shapes the runner compiles at start-up, smallest first."""
-    # A step of T tokens has at most T sequences, so sequence buckets above T are capped at T.
-    return sorted({(t, min(s, t)) for t in cfg.resolved_token_buckets() for s in cfg.resolved_seq_buckets()})
-
-
-def choose_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:
-    fitting = [b for b in buckets if b[0] >= num_tokens and b[1] >= num_seqs]
-    if not fitting:
-        raise ValueError(f"no declared bucket holds {num_tokens} tokens and {num_seqs} sequences; "
-                         f"largest is {max(buckets)}")
-    return min(fitting, key=lambda b: (b[0], b[1]))
 
 
 class StepInputBuilder:

@@ -14,6 +14,11 @@ from typing import Any
 KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
+class ChatTemplateUnavailable(RuntimeError):
+    """Rendering failed for a reason that is not the messages' fault (a missing module such as
+    jinja2, a template that does not compile, a bug): a server error, never a client error."""
+
+
 class Tokenizer:
     """Encode/decode and chat-template rendering for one Hugging Face model directory."""
 
@@ -88,6 +93,8 @@ class Tokenizer:
         Each message needs a known `role` (system, user, assistant, tool) and a `content` that is a
         str or a list of `{"type": "text", "text": ...}` parts (joined). An assistant message that
         carries `tool_calls` may have `content` None. Extra keyword arguments reach the template.
+        Raises ValueError for messages the template rejects, ChatTemplateUnavailable when rendering
+        fails for any other reason.
         """
         if not self.has_chat_template:
             raise ValueError("this model has no chat template (tokenizer_config.json has no 'chat_template')")
@@ -96,10 +103,26 @@ class Tokenizer:
             text = self.hf.apply_chat_template(
                 normalized, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
             )
-        except Exception as e:  # jinja errors, raise_exception() in templates
-            raise ValueError(f"chat template failed: {e}") from e
+        except Exception as e:
+            if _caused_by_input(e):
+                raise ValueError(f"chat template failed: {e}") from e
+            raise ChatTemplateUnavailable(f"the chat template could not be rendered ({type(e).__name__}: {e}); "
+                                          "this is a server problem, not a problem with the request") from e
         # The template already wrote every special token it wants; do not add a BOS again.
         return self.encode(text, add_special_tokens=False)
+
+
+def _caused_by_input(error: Exception) -> bool:
+    """Whether a rendering error is the messages' fault: the template rejected them (its
+    raise_exception(), an undefined field) or met values of the wrong type. A missing module
+    (transformers raises ImportError without jinja2) or a template that does not compile is not."""
+    if isinstance(error, (TypeError, ValueError, LookupError)):
+        return True
+    try:
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError
+    except ImportError:
+        return False
+    return isinstance(error, TemplateError) and not isinstance(error, TemplateSyntaxError)
 
 
 def _generation_config_eos(path: Path) -> list[int]:

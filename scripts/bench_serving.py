@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import math
 import sys
@@ -467,34 +468,41 @@ def _rate(text: str) -> float:
     return math.inf if text.lower() in ("inf", "infinity") else float(text)
 
 
-def parse_args(argv: list[str] | None = None) -> BenchConfig:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> BenchConfig:
+    from jaxserve.cli import HelpFormatter  # every flag's default in --help, as in `jaxserve serve --help`
+
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name sent in the request body")
-    p.add_argument("--tokenizer", help="local tokenizer dir (default: --model when it is a dir)")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--tokenizer", default=None, help="local tokenizer dir (default: the embedded model's for "
+                   "jaxserve-tiny, else --model when it is a local dir or a hub id in the local HF cache)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions", help="API route")
+    p.add_argument("--num-requests", type=int, default=64, help="requests to send")
     p.add_argument("--request-rate", type=_rate, default=math.inf, help="req/s (Poisson), 'inf' = burst")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--prompt-len-min", type=int, default=64)
-    p.add_argument("--prompt-len-max", type=int, default=256)
-    p.add_argument("--output-len-min", type=int, default=64)
-    p.add_argument("--output-len-max", type=int, default=64)
-    p.add_argument("--prompt-as", choices=["text", "ids"], default="ids")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    p.add_argument("--prompt-len-min", type=int, default=64, help="shortest prompt, tokens")
+    p.add_argument("--prompt-len-max", type=int, default=256, help="longest prompt, tokens")
+    p.add_argument("--output-len-min", type=int, default=64, help="shortest output asked for, tokens")
+    p.add_argument("--output-len-max", type=int, default=64, help="longest output asked for, tokens")
+    p.add_argument("--prompt-as", choices=["text", "ids"], default="ids", help="send prompts as text or token ids")
+    p.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
     p.add_argument("--timeout", type=float, default=600.0, help="global bound on the run, seconds")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT bound of a good request")
+    p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="TPOT bound of a good request")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature sent")
     p.add_argument("--no-usage", action="store_true", help="do not ask for stream_options.include_usage")
-    p.add_argument("--length-control", choices=["ignore_eos", "hf_generation_config", "none"], default="ignore_eos")
+    p.add_argument("--length-control", choices=["ignore_eos", "hf_generation_config", "none"], default="ignore_eos",
+                   help="how the output length is forced")
     p.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
     p.add_argument("--corpus", help="file or dir of .md/.py text for prompts (default: this repository)")
-    p.add_argument("--api-key")
-    p.add_argument("--json-out")
-    p.add_argument("--plot", dest="plot_dir")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--json-out", help="write the report as JSON here")
+    p.add_argument("--plot", dest="plot_dir", help="write PNG charts into this dir (needs matplotlib)")
     a = p.parse_args(argv)
-    return BenchConfig(
+    # Checked before the run, not after it: a missing plotting library must not cost the benchmark.
+    if a.plot_dir and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib: pip install matplotlib (or jaxserve's [bench] extra)")
+    cfg = BenchConfig(
         base_url=a.base_url, model=a.model, tokenizer=a.tokenizer, endpoint=a.endpoint,
         num_requests=a.num_requests, request_rate=a.request_rate, max_concurrency=a.max_concurrency,
         prompt_len_min=a.prompt_len_min, prompt_len_max=a.prompt_len_max,
@@ -503,10 +511,37 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         temperature=a.temperature, include_usage=not a.no_usage, length_control=a.length_control,
         extra_body=a.extra_body, corpus=a.corpus, api_key=a.api_key, json_out=a.json_out, plot_dir=a.plot_dir,
     )
+    try:  # a bad flag is a usage error, not a traceback
+        cfg.validate()
+        cfg.tokenizer = cfg.tokenizer or default_tokenizer(cfg.model)
+    except ValueError as e:
+        p.error(str(e))
+    return cfg
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
+def default_tokenizer(model: str) -> str:
+    """The tokenizer directory for --model when --tokenizer is not given: the embedded default
+    model's for jaxserve-tiny, a local directory as it is, a hub id from the local HF cache.
+    Raises ValueError naming --tokenizer otherwise."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return str(path)
+    from jaxserve.default_model import MODEL_NAME, ensure_default_model
+
+    if model == MODEL_NAME:
+        return str(ensure_default_model())
+    from checkpoints import resolve_model_dir
+
+    try:
+        return str(resolve_model_dir(model))
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"no tokenizer for --model {model!r}: pass --tokenizer DIR, a local directory with the "
+                         f"model's tokenizer files ({e})") from None
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The command line (`prog`: the name usage lines show, e.g. "jaxserve bench")."""
+    cfg = parse_args(argv, prog)
     report = run_benchmark(cfg)
     print(format_table(report))
     return 0 if report["completed"] > 0 else 1

@@ -1,12 +1,17 @@
 """jaxserve against its peers on one model and one workload, interleaved and repeated (medians).
 
     python scripts/bench_vs_peers.py --model-preset bench-small --repeats 3
+    python scripts/bench_vs_peers.py --workload bench-small-burst64     # a named workload (WORKLOADS)
     python scripts/bench_vs_peers.py --smoke --no-docs   # tiny model, 4 requests, 2 rates + the 80% run
 
 Systems (choose with --systems):
-  jaxserve  `python -m jaxserve.cli serve` (continuous batching), driven by bench_serving
-  hf-static Hugging Face transformers `generate`, static batches (left-padded, greedy, EOS suppressed)
-  hf-serve  `transformers serve --continuous-batching`, driven by the same load generator
+  jaxserve      `python -m jaxserve.cli serve` with its own defaults (no tuning flags unless
+                --jaxserve-args gives some), driven by bench_serving
+  hf-static     Hugging Face transformers `generate`, static batches (left-padded, greedy, EOS suppressed)
+  hf-serve      `transformers serve --continuous-batching`, driven by the same load generator
+  llama-server  llama.cpp's `llama-server` (continuous batching, one slot per request in flight) on
+                an f32 GGUF converted from the same model dir, driven by the same load generator;
+                build it once with `bash scripts/setup_llama_cpp.sh` (skipped with a message if absent)
 Every system gets the same text prompts and the same per-request output lengths (drawn once, seeded).
 The run also measures the matmul rate and reports each system's share of the workload's compute
 bound; the serving systems are swept over --rates and compared on TTFT at a fraction of jaxserve's
@@ -18,12 +23,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import hashlib
 import importlib.util
 import json
 import math
 import os
+import re
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +43,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving as bs  # noqa: E402
 from bench_common import (  # noqa: E402
-    REPO_ROOT, free_port, http_ok, machine_info, median, replace_marked_section, server_process,
+    REPO_ROOT, free_port, http_ok, log_tail, machine_info, median, replace_marked_section, server_process,
 )
 
 if str(REPO_ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
@@ -132,13 +140,165 @@ def bench_env(torch_threads: int | None = None) -> dict[str, str]:
     return env
 
 
-def jaxserve_command(model_dir: Path, port: int, max_num_seqs: int, max_num_batched_tokens: int,
-                     extra_args: str) -> list[str]:
-    """`jaxserve serve` on 127.0.0.1:port for `model_dir` (float32), plus the user's extra flags."""
-    return [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--max-num-seqs", str(max_num_seqs),
-            "--max-num-batched-tokens", str(max_num_batched_tokens), "--dtype", "float32",
-            *shlex.split(extra_args)]
+def jaxserve_command(model_dir: Path, port: int, max_num_seqs: int | None = None,
+                     max_num_batched_tokens: int | None = None, extra_args: str = "") -> list[str]:
+    """`jaxserve serve` on 127.0.0.1:port for `model_dir` (float32) with jaxserve's own defaults.
+
+    Tuning flags appear only when asked for: `max_num_seqs` / `max_num_batched_tokens` when not None,
+    and the user's `extra_args` (buckets, KV-pool size, ...).
+    """
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32"]
+    if max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(max_num_seqs)]
+    if max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    return cmd + shlex.split(extra_args or "")
+
+
+# ----------------------------------------------------------------------------- llama.cpp (llama-server)
+
+LLAMA_CPP_SETUP = "scripts/setup_llama_cpp.sh"
+GGUF_OUTTYPE = "f32"
+# Tokens each llama-server slot holds beyond prompt_len_max + output_len_max: a text prompt can
+# re-encode a few tokens longer than drawn (bench_serving._text_of_length), and a BOS may be added.
+LLAMA_CTX_SLACK = 64
+LLAMA_MAX_SLOTS = 256  # llama.cpp's LLAMA_MAX_SEQ; requests beyond the slots wait in llama-server's queue
+
+
+def default_llama_cpp_home() -> Path:
+    """Where scripts/setup_llama_cpp.sh installs: $LLAMA_CPP_HOME, else <jaxserve cache>/llama.cpp."""
+    env = os.environ.get("LLAMA_CPP_HOME")
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("JAXSERVE_CACHE")
+    return (Path(cache).expanduser() if cache else Path.home() / ".cache" / "jaxserve") / "llama.cpp"
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """The install setup_llama_cpp.sh leaves: bin/llama-server, convert_hf_to_gguf.py (+ gguf-py), VERSION."""
+    home: Path
+
+    @property
+    def server(self) -> Path:
+        return self.home / "bin" / "llama-server"
+
+    @property
+    def converter(self) -> Path:
+        return self.home / "convert_hf_to_gguf.py"
+
+    @property
+    def version(self) -> str:
+        try:
+            return (self.home / "VERSION").read_text().strip() or "unknown"
+        except OSError:
+            return "unknown"
+
+    def missing(self) -> str | None:
+        """None when llama-server and the converter are installed, else the reason to skip the peer."""
+        if not (self.server.is_file() and os.access(self.server, os.X_OK)):
+            return (f"llama-server not found at {self.server}; build it once with "
+                    f"`bash {LLAMA_CPP_SETUP}` (CPU; 6-15 min on 2 cores)")
+        if not self.converter.is_file():
+            return (f"convert_hf_to_gguf.py not found at {self.converter}; "
+                    f"re-run `bash {LLAMA_CPP_SETUP} --force`")
+        return None
+
+
+def gguf_cache_key(model_dir: Path, tool_version: str, outtype: str = GGUF_OUTTYPE) -> str:
+    """Hash of every (non-hidden) file in `model_dir` — names and contents — and of the converter
+    version and outtype: the GGUF is converted again exactly when one of them changes."""
+    h = hashlib.sha256(f"{tool_version}\0{outtype}\0".encode())
+    for f in sorted(p for p in Path(model_dir).iterdir() if p.is_file() and not p.name.startswith(".")):
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def gguf_path(model_dir: Path, key: str, outtype: str = GGUF_OUTTYPE) -> Path:
+    """The cached GGUF of `model_dir`: a file next to the dir, named by the dir and the cache key."""
+    model_dir = Path(model_dir).resolve()
+    return model_dir.parent / f"{model_dir.name}.{key}.{outtype}.gguf"
+
+
+def gguf_convert_command(llama: LlamaCpp, model_dir: Path, out: Path, outtype: str = GGUF_OUTTYPE) -> list[str]:
+    return [sys.executable, str(llama.converter), str(model_dir), "--outtype", outtype, "--outfile", str(out)]
+
+
+def ensure_gguf(model_dir: Path, llama: LlamaCpp, log_path: Path, outtype: str = GGUF_OUTTYPE) -> Path:
+    """The model as GGUF (`outtype`), converted by llama.cpp's own converter once per model content."""
+    out = gguf_path(model_dir, gguf_cache_key(model_dir, llama.version, outtype), outtype)
+    if out.is_file():
+        return out
+    tmp = out.with_name(f".{out.stem}.{os.getpid()}.tmp.gguf")
+    env = dict(bench_env(), PYTHONPATH=os.pathsep.join(
+        x for x in (str(llama.home / "gguf-py"), os.environ.get("PYTHONPATH")) if x))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"converting {model_dir} to {outtype} GGUF (once per model) ...", flush=True)
+    t = time.monotonic()
+    with open(log_path, "wb") as log:
+        rc = subprocess.run(gguf_convert_command(llama, model_dir, tmp, outtype), stdout=log,
+                            stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"convert_hf_to_gguf.py exited with {rc} (log {log_path}):\n{log_tail(log_path, 1500)}")
+    os.replace(tmp, out)
+    ours = re.compile(re.escape(Path(model_dir).resolve().name) + r"\.[0-9a-f]{16}\." + re.escape(outtype) + r"\.gguf")
+    for stale in out.parent.iterdir():
+        if stale != out and ours.fullmatch(stale.name):  # an earlier conversion of changed model files
+            stale.unlink(missing_ok=True)
+    print(f"wrote {out} in {time.monotonic() - t:.1f} s", flush=True)
+    return out
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def llama_slot_context(prompt_len_max: int, output_len_max: int) -> int:
+    """Context tokens one llama-server slot needs for the longest prompt plus the longest output."""
+    return prompt_len_max + output_len_max + LLAMA_CTX_SLACK
+
+
+def llama_server_command(server: Path, gguf: Path, port: int, n_parallel: int, slot_context: int,
+                         threads: int, extra_args: str = "") -> list[str]:
+    """`llama-server` on 127.0.0.1:port: `n_parallel` slots (one per request in flight), continuous
+    batching, `-c` = the total context over all slots, f32 KV cache (every system runs float32),
+    no host-RAM prompt cache (requests also send cache_prompt=false: no system reuses prompts)."""
+    if n_parallel < 1 or slot_context < 1 or threads < 1:
+        raise ValueError(f"need n_parallel, slot_context, threads >= 1, got {n_parallel}, {slot_context}, {threads}")
+    return [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(n_parallel), "-c", str(n_parallel * slot_context), "-t", str(threads), "--cont-batching",
+            "-ctk", "f32", "-ctv", "f32", "--cache-ram", "0", *shlex.split(extra_args or "")]
+
+
+def llama_server_config(base: bs.BenchConfig, port: int) -> bs.BenchConfig:
+    """The load generator's config for llama-server: OpenAI /v1/completions with the same text
+    prompts; `max_tokens` (llama-server's alias of n_predict) = the drawn output length and
+    `ignore_eos` force it exactly; `cache_prompt: false` so repeats cannot reuse a slot's KV."""
+    return replace(base, base_url=f"http://127.0.0.1:{port}", length_control="ignore_eos",
+                   extra_body={**base.extra_body, "cache_prompt": False})
+
+
+def length_problems(report: dict[str, Any]) -> str | None:
+    """None when every completed request produced exactly its asked-for output tokens (by the
+    server's usage.completion_tokens) and reused no cached prompt tokens; else what went wrong."""
+    ok = [r for r in report["requests"] if r["ok"]]
+    wrong = [r for r in ok if r["output_tokens"] != r["output_len_requested"]]
+    cached = [r for r in ok if r.get("cached_tokens_reported")]
+    problems = []
+    if wrong:
+        r = wrong[0]
+        problems.append(f"{len(wrong)} of {len(ok)} requests did not generate their drawn output length "
+                        f"(e.g. asked {r['output_len_requested']}, got {r['output_tokens']})")
+    if cached:
+        problems.append(f"{len(cached)} of {len(ok)} requests reused cached prompt tokens "
+                        f"(e.g. {cached[0]['cached_tokens_reported']})")
+    return "; ".join(problems) or None
 
 
 # ----------------------------------------------------------------------------- compute bound
@@ -227,15 +387,18 @@ class ServerSystem:
 
     `fresh_cache_salt`: every run sends its own `cache_salt`, so a prefix-caching server cannot
     reuse the prompts of an earlier run (the same prompts are sent once per rate and repeat).
+    `exact_lengths`: a run fails unless every request generated exactly its drawn output length
+    (the server's usage.completion_tokens) without reusing cached prompt tokens.
     """
 
     def __init__(self, stack: contextlib.ExitStack, cmd: list[str], port: int, health_path: str,
                  cfg: bs.BenchConfig, prompts: list[bs.PromptSpec], log_path: Path, start_timeout: float,
-                 env: dict[str, str], bound: ComputeBound | None = None, fresh_cache_salt: bool = False):
+                 env: dict[str, str], bound: ComputeBound | None = None, fresh_cache_salt: bool = False,
+                 exact_lengths: bool = False):
         self.stack, self.cmd, self.port, self.cfg, self.prompts = stack, cmd, port, cfg, prompts
         self.health_url = f"http://127.0.0.1:{port}{health_path}"
         self.log_path, self.start_timeout, self.env = log_path, start_timeout, env
-        self.bound, self.fresh_cache_salt = bound, fresh_cache_salt
+        self.bound, self.fresh_cache_salt, self.exact_lengths = bound, fresh_cache_salt, exact_lengths
         self.started = False
 
     def _run_cfg(self, rate: float) -> bs.BenchConfig:
@@ -257,7 +420,16 @@ class ServerSystem:
         report = bs.run_benchmark(self._run_cfg(rate), prompts=self.prompts)
         if report["completed"] == 0:
             raise RuntimeError(f"every request failed: {report['errors']}")
+        if self.exact_lengths and (problem := length_problems(report)):
+            raise RuntimeError(problem)
         return outcome_from_report(report, self.bound)
+
+
+def unavailable(reason: str) -> Callable[[float], Outcome]:
+    """The `measure` of a system that cannot run here (its System.error carries `reason`)."""
+    def measure(rate: float = math.inf) -> Outcome:
+        raise RuntimeError(reason)
+    return measure
 
 
 @dataclass
@@ -447,6 +619,7 @@ def markdown_report(rows: list[dict[str, Any]], meta: dict[str, Any], sweep_rows
         f"- model: `{meta['model']}` — {meta['model_desc']}",
         f"- workload: {meta['workload']}",
         f"- repeats: {meta['repeats']}, interleaved; each number is the median over repeats",
+        *(f"- {n}" for n in meta.get("systems", [])),
         *bound_lines(meta.get("bound")),
         "",
         "| system | output tok/s | total tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | E2E p50 ms "
@@ -516,19 +689,38 @@ def frac_lines(frac: dict[str, Any]) -> list[str]:
 
 # ----------------------------------------------------------------------------- main
 
+SYSTEMS = ("jaxserve", "hf-static", "hf-serve", "llama-server")
+
+# Named workloads (--workload): the model and the request mix of one comparison. Explicit flags
+# override any of these; the docs section defaults to the workload's name.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "bench-small-burst64": dict(model_preset="bench-small", num_requests=64, prompt_len_min=30, prompt_len_max=500,
+                                output_len_min=16, output_len_max=128, hf_static_max_requests=16),
+    "bench-105m-burst128": dict(model_preset="bench-105m", num_requests=128, prompt_len_min=64, prompt_len_max=1024,
+                                output_len_min=32, output_len_max=256, hf_static_max_requests=16),
+}
+# Without --workload / --smoke.
+DEFAULTS = dict(num_requests=32, prompt_len_min=32, prompt_len_max=256, output_len=64)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="local HF model dir (config.json, safetensors, tokenizer files)")
     src.add_argument("--model-preset", choices=sorted(PRESETS))
+    p.add_argument("--workload", choices=sorted(WORKLOADS),
+                   help="a named comparison: " + "; ".join(
+                       f"{k} = {v['model_preset']}, {v['num_requests']}-request burst, prompts "
+                       f"{v['prompt_len_min']}-{v['prompt_len_max']}, outputs {v['output_len_min']}-{v['output_len_max']}"
+                       for k, v in WORKLOADS.items()))
     p.add_argument("--cache-dir", type=Path, help="where presets are written (default ~/.cache/jaxserve/bench-models)")
     p.add_argument("--tokenizer-source", type=Path, help="dir whose tokenizer files presets copy (default: the embedded default model)")
-    p.add_argument("--systems", default="jaxserve,hf-static,hf-serve")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--prompt-len-min", type=int, default=32)
-    p.add_argument("--prompt-len-max", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64, help="fixed output length (shortcut for min = max)")
+    p.add_argument("--num-requests", type=int, help=f"default {DEFAULTS['num_requests']}")
+    p.add_argument("--prompt-len-min", type=int, help=f"default {DEFAULTS['prompt_len_min']}")
+    p.add_argument("--prompt-len-max", type=int, help=f"default {DEFAULTS['prompt_len_max']}")
+    p.add_argument("--output-len", type=int, help=f"fixed output length (shortcut for min = max; default {DEFAULTS['output_len']})")
     p.add_argument("--output-len-min", type=int, help="output lengths drawn uniformly from [min, max] (default --output-len)")
     p.add_argument("--output-len-max", type=int)
     p.add_argument("--request-rate", type=bs._rate, help="one arrival rate (req/s, inf = burst); same as --rates RATE")
@@ -537,15 +729,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ttft-at-saturation-frac", type=float, default=0.8,
                    help="run the serving systems again at this fraction of jaxserve's burst req/s and compare "
                         "TTFT (needs inf in --rates; 0 disables)")
-    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--max-concurrency", type=int, help="requests in flight at most (also llama-server's slot count)")
     p.add_argument("--batch-sizes", default="1,16,64", help="static-batching sizes for hf-static")
     p.add_argument("--hf-static-max-requests", type=int,
                    help="hf-static runs only the first N requests (at least one whole batch) per batch size")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, help="opt-in jaxserve tuning flag (default: jaxserve's own)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="opt-in jaxserve tuning flag (default: jaxserve's own)")
     p.add_argument("--jaxserve-args", default=None,
-                   help="extra `jaxserve serve` flags (buckets, context), one string "
-                        f"(default {DEFAULT_JAXSERVE_ARGS!r})")
+                   help="extra `jaxserve serve` flags (buckets, KV pool, context), one string; opt-in: by default "
+                        "jaxserve runs with its own defaults")
+    p.add_argument("--llama-cpp-home", type=Path, default=None,
+                   help="where scripts/setup_llama_cpp.sh installed llama.cpp (default $LLAMA_CPP_HOME or "
+                        "~/.cache/jaxserve/llama.cpp)")
+    p.add_argument("--llama-server-args", default="", help="extra `llama-server` flags, one string")
     p.add_argument("--matmul-gflops", type=float, help="skip the matmul-rate measurement: use this GFLOP/s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads for hf-static and hf-serve (default: torch's)")
@@ -553,7 +749,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="bound on each load-generator run, seconds")
     p.add_argument("--docs", type=Path, help="markdown file to update (default docs/BENCHMARKS.md; none in --smoke)")
     p.add_argument("--no-docs", action="store_true")
-    p.add_argument("--docs-section", help="name of the marked docs section to rewrite (default: the unnamed one)")
+    p.add_argument("--docs-section", help="name of the marked docs section to rewrite (default: the --workload's "
+                                          "name, else the unnamed one)")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench_vs_peers_logs")
     p.add_argument("--smoke", action="store_true",
@@ -561,6 +758,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.request_rate is not None and a.rates is not None:
         raise ValueError("give --request-rate or --rates, not both")
+    if a.smoke and a.workload:
+        raise ValueError("give --smoke or --workload, not both")
     if a.smoke:
         if not a.model and not a.model_preset:
             a.model_preset = "tiny"
@@ -568,16 +767,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.prompt_len_min, a.prompt_len_max = 16, 32
         a.output_len, a.output_len_min, a.output_len_max = 8, 4, 8
         a.systems = ",".join(s for s in a.systems.split(",") if s != "hf-serve")
-        a.max_num_seqs, a.max_num_batched_tokens = 4, 64
-        if a.jaxserve_args is None:  # few compiled programs, so the server starts in seconds
-            a.jaxserve_args = "--token-buckets 64 --seq-buckets 4 --max-model-len 128"
         if a.rates is None and a.request_rate is None:
             a.rates = "inf,4"
         a.start_timeout, a.timeout = min(a.start_timeout, 120.0), min(a.timeout, 30.0)
-    elif not a.model and not a.model_preset:
+    if a.workload:
+        w = WORKLOADS[a.workload]
+        if not a.model and not a.model_preset:
+            a.model_preset = w["model_preset"]
+        for key in ("num_requests", "prompt_len_min", "prompt_len_max", "hf_static_max_requests"):
+            if getattr(a, key) is None:
+                setattr(a, key, w[key])
+        if a.output_len is None and a.output_len_min is None and a.output_len_max is None:
+            a.output_len_min, a.output_len_max = w["output_len_min"], w["output_len_max"]
+        if a.docs_section is None:
+            a.docs_section = a.workload
+    if not a.model and not a.model_preset:
         a.model_preset = "bench-small"
-    if a.jaxserve_args is None:
-        a.jaxserve_args = DEFAULT_JAXSERVE_ARGS
+    for key, value in DEFAULTS.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.llama_cpp_home is None:
+        a.llama_cpp_home = default_llama_cpp_home()
     a.output_len_min = a.output_len if a.output_len_min is None else a.output_len_min
     a.output_len_max = a.output_len if a.output_len_max is None else a.output_len_max
     if not 1 <= a.output_len_min <= a.output_len_max:
@@ -589,13 +799,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise ValueError(f"--ttft-at-saturation-frac must be in [0, 1], got {a.ttft_at_saturation_frac}")
     if a.hf_static_max_requests is not None and a.hf_static_max_requests < 1:
         raise ValueError(f"--hf-static-max-requests must be >= 1, got {a.hf_static_max_requests}")
-    unknown = set(a.systems.split(",")) - {"jaxserve", "hf-static", "hf-serve"}
+    unknown = set(a.systems.split(",")) - set(SYSTEMS)
     if unknown:
-        raise ValueError(f"unknown systems {sorted(unknown)}; choose from jaxserve, hf-static, hf-serve")
+        raise ValueError(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     return a
-
-
-DEFAULT_JAXSERVE_ARGS = "--token-buckets 32,64,128,256,512 --seq-buckets 8,16,32,64 --max-model-len 1024"
 
 
 def measure_bound(a: argparse.Namespace, model_dir: Path, prompts: list[bs.PromptSpec]) -> tuple[ComputeBound, dict[str, Any]]:
@@ -625,7 +832,7 @@ def build_systems(a: argparse.Namespace, stack: contextlib.ExitStack, model_dir:
     systems: list[System] = []
     if "jaxserve" in wanted:
         port = free_port()
-        cmd = jaxserve_command(model_dir, port, a.max_num_seqs, a.max_num_batched_tokens, a.jaxserve_args)
+        cmd = jaxserve_command(model_dir, port, a.max_num_seqs, a.max_num_batched_tokens, a.jaxserve_args or "")
         cfg = replace(base, base_url=f"http://127.0.0.1:{port}", length_control="ignore_eos")
         s = System("jaxserve (continuous batching)", ServerSystem(
             stack, cmd, port, "/health", cfg, prompts, a.log_dir / "jaxserve.log", a.start_timeout, env,
@@ -646,6 +853,8 @@ def build_systems(a: argparse.Namespace, stack: contextlib.ExitStack, model_dir:
         if importlib.util.find_spec("fastapi") is None:
             s.error = "`transformers serve` needs fastapi, which is not installed"
         systems.append(s)
+    if "llama-server" in wanted:
+        systems.append(llama_server_system(a, stack, model_dir, base, prompts, bound))
     if "hf-static" in wanted:
         for b in (int(x) for x in a.batch_sizes.split(",")):
             n = static_requests(len(prompts), b, a.hf_static_max_requests)
@@ -654,6 +863,58 @@ def build_systems(a: argparse.Namespace, stack: contextlib.ExitStack, model_dir:
                 label += f" (first {n} of {len(prompts)} requests)"
             systems.append(System(label, StaticGenerate(model_dir, prompts[:n], b, bound)))
     return systems
+
+
+LLAMA_SERVER_LABEL = "llama.cpp llama-server (continuous batching)"
+
+
+def llama_server_system(a: argparse.Namespace, stack: contextlib.ExitStack, model_dir: Path, base: bs.BenchConfig,
+                        prompts: list[bs.PromptSpec], bound: ComputeBound | None) -> System:
+    """The llama-server peer: one slot per request that can be in flight (--max-concurrency, else
+    every request of the burst; at most LLAMA_MAX_SLOTS), each slot sized for the longest prompt +
+    output. Without the binary it is a System whose error says how to build it."""
+    llama = LlamaCpp(a.llama_cpp_home)
+    missing = llama.missing()
+    if missing:
+        print(f"llama-server: skipped — {missing}", flush=True)
+        s = System(LLAMA_SERVER_LABEL, unavailable(missing), serving=True)
+        s.error = missing
+        return s
+    try:
+        gguf = ensure_gguf(model_dir, llama, a.log_dir / "convert_hf_to_gguf.log")
+    except Exception as exc:  # a failed conversion skips this peer, not the run
+        s = System(LLAMA_SERVER_LABEL, unavailable(str(exc)), serving=True)
+        s.error = f"GGUF conversion failed: {str(exc).splitlines()[0][:300]}"
+        return s
+    port = free_port()
+    n_parallel = min(a.max_concurrency or len(prompts), LLAMA_MAX_SLOTS)
+    cmd = llama_server_command(llama.server, gguf, port, n_parallel,
+                               llama_slot_context(a.prompt_len_max, a.output_len_max), usable_cores(),
+                               a.llama_server_args)
+    a.llama_server_cmd = cmd  # for the report
+    return System(LLAMA_SERVER_LABEL, ServerSystem(
+        stack, cmd, port, "/health", llama_server_config(base, port), prompts, a.log_dir / "llama_server.log",
+        a.start_timeout, bench_env(), bound=bound, exact_lengths=True), serving=True)
+
+
+def system_notes(a: argparse.Namespace, llama_cpp_version: str | None = None) -> list[str]:
+    """One line per system's configuration, for the report."""
+    wanted = a.systems.split(",")
+    notes = []
+    if "jaxserve" in wanted:
+        flags = " ".join(x for x in (
+            f"--max-num-seqs {a.max_num_seqs}" if a.max_num_seqs is not None else "",
+            f"--max-num-batched-tokens {a.max_num_batched_tokens}" if a.max_num_batched_tokens is not None else "",
+            a.jaxserve_args or "") if x)
+        notes.append("jaxserve: `jaxserve serve --dtype float32` " + (f"with `{flags}`" if flags else
+                                                                       "with its default settings (no tuning flags)"))
+    cmd = getattr(a, "llama_server_cmd", None)
+    if "llama-server" in wanted and cmd:
+        shown = " ".join(shlex.quote(x) for x in cmd[cmd.index("-np"):])
+        notes.append(f"llama-server: llama.cpp from the {llama_cpp_version or 'llama-cpp-python'} sdist, CPU build "
+                     f"(GGML_NATIVE), float32 GGUF from its convert_hf_to_gguf.py, `{shown}`; requests send "
+                     f"`ignore_eos` and `cache_prompt: false`")
+    return notes
 
 
 def run_once(s: System, rate: float, tag: str, into: list[Outcome]) -> None:
@@ -747,6 +1008,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_desc": describe_model(model_dir),
         "workload": workload_text(a, len(prompts)),
         "repeats": a.repeats,
+        "systems": system_notes(a, LlamaCpp(a.llama_cpp_home).version),
         "bound": bound_info,
         "machine": machine_info(),
         "command": " ".join(shlex.quote(x) for x in ["python", "scripts/bench_vs_peers.py", *(argv if argv is not None else sys.argv[1:])]),

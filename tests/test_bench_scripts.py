@@ -1,7 +1,8 @@
 """The benchmark tooling: bench_serving's load generator and metric arithmetic against a local
 streaming stub (the stub stands in for a server on purpose: it is the client being tested),
 roofline's byte / FLOP counting (per step and per workload) against hand-computed values,
-bench_vs_peers' shared output lengths, static-batch counting, rate selection and report, and
+bench_vs_peers' shared output lengths, static-batch counting, rate selection and report, its
+llama-server peer (command line, request body, skip path, GGUF cache; no binary needed), and
 bench_prefix_cache's arithmetic plus one smoke run against a real `jaxserve serve`."""
 from __future__ import annotations
 
@@ -659,3 +660,207 @@ def test_prefix_cache_smoke_run(tmp_path):
     assert summary["uncached"]["cached_tokens_median"] == 0        # a fresh salt never hits
     assert summary["cached"]["cached_tokens_median"] >= 128        # the 200-token system prompt, whole pages
     assert "TTFT uncached / cached" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- bench_vs_peers: llama-server peer
+# None of these needs the llama-server binary, llama.cpp's converter or the network: a missing
+# install is the skip path, and the converter is replaced by a stand-in script.
+
+FAKE_CONVERTER = '''
+import sys
+from pathlib import Path
+model_dir, outtype, out = sys.argv[1], sys.argv[sys.argv.index("--outtype") + 1], sys.argv[sys.argv.index("--outfile") + 1]
+assert out.endswith(".gguf"), out
+Path(out).write_text(f"GGUF {outtype} of {model_dir}")
+calls = Path(sys.argv[0]).with_name("calls")
+calls.write_text(calls.read_text() + "x" if calls.exists() else "x")
+'''
+
+
+def _fake_llama_cpp(home: Path) -> Path:
+    """An install layout like setup_llama_cpp.sh's, with a stand-in converter and an inert 'binary'."""
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "llama-server").write_text("#!/bin/sh\nexit 1\n")
+    (home / "bin" / "llama-server").chmod(0o755)
+    (home / "convert_hf_to_gguf.py").write_text(FAKE_CONVERTER)
+    (home / "VERSION").write_text("llama-cpp-python==0.0.test\n")
+    return home
+
+
+def _fake_model_dir(root: Path) -> Path:
+    model = root / "models" / "m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    (model / "model.safetensors").write_bytes(b"\x00" * 64)
+    (model / ".complete").write_text("ok\n")
+    return model
+
+
+def test_llama_server_command_line():
+    import bench_vs_peers as bvp
+
+    assert bvp.llama_slot_context(500, 128) == 500 + 128 + bvp.LLAMA_CTX_SLACK
+    cmd = bvp.llama_server_command(Path("/opt/llama/bin/llama-server"), Path("/m/model.f32.gguf"), 8123,
+                                   n_parallel=64, slot_context=692, threads=2, extra_args="--metrics -ub 256")
+    assert cmd[0] == "/opt/llama/bin/llama-server"
+
+    def flag(name):
+        return cmd[cmd.index(name) + 1]
+
+    assert flag("-m") == "/m/model.f32.gguf" and flag("--host") == "127.0.0.1" and flag("--port") == "8123"
+    assert flag("-np") == "64" and flag("-c") == str(64 * 692) and flag("-t") == "2"  # -c: total over the slots
+    assert "--cont-batching" in cmd and flag("-ctk") == flag("-ctv") == "f32" and flag("--cache-ram") == "0"
+    assert cmd[-3:] == ["--metrics", "-ub", "256"]  # the user's flags come last and win
+    with pytest.raises(ValueError, match="n_parallel"):
+        bvp.llama_server_command(Path("s"), Path("g"), 1, n_parallel=0, slot_context=10, threads=1)
+
+
+def test_llama_server_slots_follow_the_concurrency(tmp_path, monkeypatch):
+    """One slot per request in flight: --max-concurrency, else the whole burst, capped at llama.cpp's
+    most sequences; context per slot from the longest prompt and output; the GGUF comes from the
+    (stand-in) converter."""
+    import contextlib
+
+    import bench_vs_peers as bvp
+
+    home, model = _fake_llama_cpp(tmp_path / "llama"), _fake_model_dir(tmp_path)
+    monkeypatch.setattr(bvp, "usable_cores", lambda: 3)
+    prompts = [bs.PromptSpec("p", 5, 3)] * 10
+    base = bs.BenchConfig(base_url="", model=str(model))
+    monkeypatch.setattr(bvp, "LLAMA_MAX_SLOTS", 8)
+    for extra, slots in (([], 8), (["--max-concurrency", "4"], 4), (["--max-concurrency", "9"], 8)):
+        a = bvp.parse_args(["--systems", "llama-server", "--llama-cpp-home", str(home), "--prompt-len-max", "300",
+                            "--output-len-max", "100", "--output-len-min", "1", "--log-dir", str(tmp_path / "logs"),
+                            *extra])
+        with contextlib.ExitStack() as stack:
+            s = bvp.llama_server_system(a, stack, model, base, prompts, None)
+        assert s.error is None and s.serving and not s.is_jaxserve
+        cmd = s.measure.cmd  # the ServerSystem was built, not started
+        assert cmd[cmd.index("-np") + 1] == str(slots) and cmd[cmd.index("-t") + 1] == "3"
+        assert cmd[cmd.index("-c") + 1] == str(slots * (300 + 100 + bvp.LLAMA_CTX_SLACK))
+        assert cmd[cmd.index("-m") + 1].endswith(".f32.gguf") and s.measure.exact_lengths
+        notes = bvp.system_notes(a, "llama-cpp-python==0.0.test")
+        assert any(n.startswith("llama-server:") and f"-np {slots}" in n and "0.0.test" in n for n in notes)
+    assert (home / "calls").read_text() == "x"  # converted once for both
+
+
+def test_llama_server_is_skipped_with_one_message_when_not_built(tmp_path, capsys):
+    import contextlib
+
+    import bench_vs_peers as bvp
+
+    assert "llama-server" in bvp.parse_args([]).systems.split(",")  # a default peer
+    a = bvp.parse_args(["--systems", "llama-server", "--llama-cpp-home", str(tmp_path / "none")])
+    assert bvp.LlamaCpp(tmp_path / "none").missing() is not None
+    with contextlib.ExitStack() as stack:
+        s = bvp.llama_server_system(a, stack, tmp_path, bs.BenchConfig(base_url="", model="m"), [], None)
+    assert s.serving and "bash scripts/setup_llama_cpp.sh" in s.error and str(tmp_path / "none") in s.error
+    out = capsys.readouterr().out
+    assert out.count("setup_llama_cpp.sh") == 1 and out.startswith("llama-server: skipped")
+    with pytest.raises(RuntimeError, match="setup_llama_cpp.sh"):
+        s.measure(math.inf)
+    # The run's loop skips it (s.error) and the report names the reason.
+    rows = bvp.summarize_systems([s])
+    meta = {"date": "d", "model": "m", "model_desc": "x", "workload": "w", "repeats": 1, "machine": {"cpu": "c"},
+            "command": "c"}
+    assert f"not measured: {bvp.LLAMA_SERVER_LABEL} — llama-server not found" in bvp.markdown_report(rows, meta)
+    # A binary without the converter is not an install either.
+    home = _fake_llama_cpp(tmp_path / "partial")
+    (home / "convert_hf_to_gguf.py").unlink()
+    assert "--force" in bvp.LlamaCpp(home).missing()
+    assert bvp.LlamaCpp(_fake_llama_cpp(tmp_path / "whole")).missing() is None
+
+
+def test_llama_server_request_body_forces_the_drawn_length():
+    import bench_vs_peers as bvp
+
+    base = bs.BenchConfig(base_url="", model="m", prompt_as="text", extra_body={"top_k": 1})
+    cfg = bvp.llama_server_config(base, 8123)
+    assert cfg.base_url == "http://127.0.0.1:8123" and base.extra_body == {"top_k": 1}  # base untouched
+    body = bs.request_body(cfg, bs.PromptSpec("some text", 3, 17))
+    assert body["prompt"] == "some text" and body["stream"] is True
+    assert body["max_tokens"] == 17 and "n_predict" not in body  # llama-server reads max_tokens as n_predict
+    assert body["ignore_eos"] is True and body["cache_prompt"] is False and body["top_k"] == 1
+    assert body["stream_options"] == {"include_usage": True} and "generation_config" not in body
+
+
+def test_length_problems_count_usage_tokens_and_cache_hits():
+    import bench_vs_peers as bvp
+
+    def req(asked, got, cached=0, ok=True):
+        return {"ok": ok, "output_len_requested": asked, "output_tokens": got, "cached_tokens_reported": cached}
+
+    assert bvp.length_problems({"requests": [req(5, 5), req(7, 7, None), req(9, 0, ok=False)]}) is None
+    problem = bvp.length_problems({"requests": [req(5, 5), req(7, 3), req(9, 2)]})
+    assert problem.startswith("2 of 3 requests did not generate") and "asked 7, got 3" in problem
+    assert "reused cached prompt tokens (e.g. 32)" in bvp.length_problems({"requests": [req(5, 5, 32)]})
+
+
+def test_gguf_is_cached_next_to_the_model_by_its_files(tmp_path):
+    import bench_vs_peers as bvp
+
+    home, model = _fake_llama_cpp(tmp_path / "llama"), _fake_model_dir(tmp_path)
+    key = bvp.gguf_cache_key(model, "v1")
+    assert key == bvp.gguf_cache_key(model, "v1") and len(key) == 16
+    assert key != bvp.gguf_cache_key(model, "v2") and key != bvp.gguf_cache_key(model, "v1", outtype="f16")
+    (model / ".complete").write_text("a marker is not the model\n")
+    assert bvp.gguf_cache_key(model, "v1") == key
+    assert bvp.gguf_path(model, key) == model.parent / f"m.{key}.f32.gguf"  # next to the dir
+
+    llama = bvp.LlamaCpp(home)
+    log = tmp_path / "logs" / "convert.log"
+    first = bvp.ensure_gguf(model, llama, log)
+    assert first == bvp.gguf_path(model, bvp.gguf_cache_key(model, llama.version))
+    assert first.read_text() == f"GGUF f32 of {model}" and (home / "calls").read_text() == "x"
+    assert bvp.ensure_gguf(model, llama, log) == first and (home / "calls").read_text() == "x"  # cached
+    other = model.parent / f"m.v2.{key}.f32.gguf"  # another model's cache ("m.v2") is not ours to remove
+    other.write_text("keep")
+    (model / "model.safetensors").write_bytes(b"\x01" * 64)  # same names and sizes, new weights
+    second = bvp.ensure_gguf(model, llama, log)
+    assert second != first and second.is_file() and not first.exists()  # reconverted; stale one removed
+    assert other.read_text() == "keep"
+    assert (home / "calls").read_text() == "xx"
+    assert not list(model.parent.glob(".*.tmp.gguf"))
+
+
+def test_gguf_conversion_failure_is_reported_with_the_log(tmp_path):
+    import bench_vs_peers as bvp
+
+    home, model = _fake_llama_cpp(tmp_path / "llama"), _fake_model_dir(tmp_path)
+    (home / "convert_hf_to_gguf.py").write_text("import sys\nprint('no Qwen3 here')\nsys.exit(3)\n")
+    with pytest.raises(RuntimeError, match="exited with 3") as err:
+        bvp.ensure_gguf(model, bvp.LlamaCpp(home), tmp_path / "convert.log")
+    assert "no Qwen3 here" in str(err.value) and not list(model.parent.glob("*.gguf"))
+
+
+def test_jaxserve_runs_with_its_defaults_and_workloads_are_named():
+    import bench_vs_peers as bvp
+
+    cmd = bvp.jaxserve_command(Path("/m"), 8000)
+    assert cmd[cmd.index("--port") + 1] == "8000" and cmd[cmd.index("--dtype") + 1] == "float32"
+    assert not {"--max-num-seqs", "--max-num-batched-tokens", "--token-buckets", "--seq-buckets",
+                "--kv-cache-memory", "--max-model-len"} & set(cmd)
+    cmd = bvp.jaxserve_command(Path("/m"), 8000, 8, None, "--token-buckets 64")
+    assert cmd[-4:] == ["--max-num-seqs", "8", "--token-buckets", "64"]
+    for argv in ([], ["--smoke"], ["--workload", "bench-small-burst64"]):
+        a = bvp.parse_args(argv)
+        assert a.jaxserve_args is None and a.max_num_seqs is None and a.max_num_batched_tokens is None
+        assert "with its default settings (no tuning flags)" in bvp.system_notes(a)[0]
+
+    a = bvp.parse_args(["--workload", "bench-small-burst64"])
+    assert (a.model_preset, a.num_requests, a.prompt_len_min, a.prompt_len_max, a.output_len_min,
+            a.output_len_max, a.rate_list, a.docs_section) == ("bench-small", 64, 30, 500, 16, 128, [math.inf],
+                                                                "bench-small-burst64")
+    a = bvp.parse_args(["--workload", "bench-105m-burst128"])
+    assert (a.model_preset, a.num_requests, a.prompt_len_min, a.prompt_len_max, a.output_len_min,
+            a.output_len_max) == ("bench-105m", 128, 64, 1024, 32, 256)
+    a = bvp.parse_args(["--workload", "bench-105m-burst128", "--num-requests", "16", "--output-len", "8",
+                        "--docs-section", "x", "--model", "/d"])
+    assert (a.num_requests, a.output_len_min, a.output_len_max, a.docs_section, a.model, a.model_preset) == (
+        16, 8, 8, "x", "/d", None)
+    a = bvp.parse_args([])
+    assert (a.num_requests, a.prompt_len_min, a.prompt_len_max, a.output_len_min, a.docs_section) == (32, 32, 256, 64, None)
+    with pytest.raises(ValueError, match="not both"):
+        bvp.parse_args(["--smoke", "--workload", "bench-small-burst64"])
+    with pytest.raises(ValueError, match="llama-server"):
+        bvp.parse_args(["--systems", "vllm"])

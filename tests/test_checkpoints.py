@@ -57,7 +57,7 @@ def test_each_device_holds_only_its_shard(hf_dir):
 def test_missing_directory_and_offline_hub_id_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_model_dir(tmp_path / "nope")
-    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache.*huggingface-cli download"):
+    with pytest.raises(FileNotFoundError, match="nor in the Hugging Face cache.*`hf download some-org"):
         resolve_model_dir("some-org/some-model-that-is-not-cached")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):

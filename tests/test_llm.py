@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import logging
+import re
+
 import pytest
 
 from jaxserve.llm import LLM
@@ -53,3 +57,32 @@ def test_bad_parameters_are_rejected_with_the_field_name(llm):
         llm.generate(["x"], SamplingParams(temperature=-1))
     with pytest.raises(ValueError, match="max_model_len|context"):
         llm.generate([[1] * 120], SamplingParams(max_tokens=50))
+
+
+def test_progress_bars_show_while_loading_and_compiling_unless_turned_off(capsys):
+    LLM(show_progress=True, **ENGINE)
+    err = capsys.readouterr().err
+    assert "loading jaxserve-tiny" in err and "compiling" in err and "program" in err
+    LLM(show_progress=False, **ENGINE)
+    err = capsys.readouterr().err
+    assert "loading" not in err and "compiling" not in err
+
+
+def test_cli_generate_compiles_few_programs_and_prints_the_engines_greedy_text(llm, caplog):
+    """`jaxserve generate` runs a config cut down to its one request; the text must not change."""
+    from jaxserve import cli
+    from jaxserve.server import commands
+
+    args = cli.build_parser().parse_args(["generate", "--prompt", "Hello"])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    caplog.set_level(logging.INFO, logger="jaxserve.model_runner")
+    out = io.StringIO()
+    reason = commands.generate(None, cli._engine_config(args, "jaxserve-tiny"), "Hello", params, out=out,
+                               show_progress=False)
+    warmed = [int(m.group(1)) for r in caplog.records
+              if (m := re.search(r"warm-up compiled (\d+) programs", r.getMessage()))]
+    # One forward (a 1-token prompt prefills in the decode bucket), the sampler's history widths
+    # of a 16-token context, the page copy; the server's defaults compile 9 to 12.
+    assert len(warmed) == 1 and warmed[0] <= 7
+    expected = llm.generate(["Hello"], params)[0].outputs[0]  # 4 sequences, 32-token steps
+    assert reason == "length" and out.getvalue() == expected.text + "\n" and len(expected.token_ids) == 12

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine_utils import greedy, make_core, run_all, tiny_model
-from jaxserve import kv_cache
+from jaxserve import capacity, kv_cache
 from jaxserve.model.dense import greedy_generate
 from jaxserve.model_runner import CompileCounter
 from jaxserve.request import Request
@@ -112,7 +112,7 @@ def test_kv_pages_are_donated_and_never_copied(qwen3):
         c = make_core(cfg, weights, num_kv_pages=num_pages)
         from jaxserve.model_runner import _dummy_arrays
         arrays = _dummy_arrays(8, 8, c.engine_cfg.max_pages_per_seq, num_pages * c.engine_cfg.page_size)
-        return c.runner.compiled_forward(arrays).memory_analysis(), kv_cache.page_bytes(cfg, 4, jnp.float32) * num_pages
+        return c.runner.compiled_forward(arrays).memory_analysis(), capacity.kv_bytes_per_token(cfg, 4) * 4 * num_pages
 
     small, small_pool = step_memory(32)
     large, large_pool = step_memory(1024)

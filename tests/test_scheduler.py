@@ -21,8 +21,11 @@ def fake_token(seq_id: str, position: int) -> int:
     return 1 + zlib.crc32(f"{seq_id}:{position}".encode()) % 997
 
 
+LIMITS = dict(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048)
+
+
 def make(num_pages: int = 64, page_size: int = 16, **kw) -> Scheduler:
-    cfg = EngineConfig(num_kv_pages=num_pages, page_size=page_size, **kw)
+    cfg = EngineConfig(num_kv_pages=num_pages, page_size=page_size, **{**LIMITS, **kw})
     return Scheduler(cfg, PageAllocator(num_pages, page_size, cfg.enable_prefix_caching))
 
 
@@ -408,7 +411,7 @@ def test_update_checks_the_sampled_tokens_against_the_plan():
 
 
 def test_config_must_match_the_allocator():
-    cfg = EngineConfig(num_kv_pages=8, page_size=16)
+    cfg = EngineConfig(num_kv_pages=8, page_size=16, **LIMITS)
     with pytest.raises(ValueError, match="page_size"):
         Scheduler(cfg, PageAllocator(8, 8))
     with pytest.raises(ValueError, match="num_kv_pages"):

@@ -5,7 +5,7 @@ import copy
 import pytest
 
 from jaxserve.default_model import ADDED_TOKENS, NUM_BPE_RANKS, QWEN2_SPLIT_PATTERN, ensure_default_model
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenizer import ChatTemplateUnavailable, Tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over 13 lazy dogs.",
@@ -111,14 +111,47 @@ def test_malformed_messages_raise_clear_value_errors(tok, messages, match):
 
 
 def test_model_without_chat_template_raises(tok):
-    # The same tokenizer minus its template (a shallow copy: loading a second one costs seconds).
-    bare_hf = copy.copy(tok.hf)
-    bare_hf.chat_template = None
-    bare = Tokenizer(bare_hf)
+    bare = _with_template(tok, None)  # the same tokenizer minus its template
     assert bare.encode("hi", add_special_tokens=False) == [6023]
     with pytest.raises(ValueError, match="no chat template"):
         bare.apply_chat_template([{"role": "user", "content": "hi"}])
     assert tok.has_chat_template  # the shared one is untouched
+
+
+def _with_template(tok, template):
+    hf = copy.copy(tok.hf)  # a shallow copy: loading a second tokenizer costs seconds
+    hf.chat_template = template
+    return Tokenizer(hf)
+
+
+def test_template_rejecting_the_messages_is_a_value_error(tok):
+    strict = _with_template(tok, "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first turn must be "
+                                 "the user') }}{% endif %}{{ messages[0]['content'] }}")
+    assert strict.decode(strict.apply_chat_template([{"role": "user", "content": "hi"}])) == "hi"
+    with pytest.raises(ValueError, match="first turn must be the user"):
+        strict.apply_chat_template([{"role": "system", "content": "x"}])
+    # Fields of the wrong shape reach the template: jinja's UndefinedError, a TypeError.
+    calls = _with_template(tok, "{{ messages[0]['tool_calls'][0]['function']['name'].upper() }}"
+                                "{{ messages[0]['tool_calls'] | length }}")
+    for tool_calls in ("oops", 5):
+        with pytest.raises(ValueError, match="chat template failed"):
+            calls.apply_chat_template([{"role": "assistant", "content": "x", "tool_calls": tool_calls}])
+
+
+def test_template_failure_that_is_not_the_messages_fault_is_not_a_value_error(tok):
+    """transformers raises ImportError when jinja2 is missing; a template that does not compile is
+    the model's fault. Neither may read as a client error (ValueError -> 400)."""
+    def no_jinja(*args, **kwargs):
+        raise ImportError("apply_chat_template requires jinja2 to be installed.")
+
+    without_jinja = copy.copy(tok.hf)
+    without_jinja.apply_chat_template = no_jinja
+    with pytest.raises(ChatTemplateUnavailable, match="ImportError: apply_chat_template requires jinja2") as exc:
+        Tokenizer(without_jinja).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert not isinstance(exc.value, ValueError)
+    broken = _with_template(tok, "{% if messages %}never closed")
+    with pytest.raises(ChatTemplateUnavailable, match="TemplateSyntaxError"):
+        broken.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_missing_model_dir_and_bad_text_raise(tmp_path, tok):

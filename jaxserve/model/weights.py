@@ -6,7 +6,7 @@ from it, so a new leaf is declared once.
 
 Layout: projections are stored input-features first (`x @ w`), heads as their own axis, so the
 einsum strings document the math (`"td,dhk->thk"`). The vocabulary is padded to a multiple of
-`VOCAB_PAD` so it splits evenly over the model axis; padded logits are masked by the sampler.
+`config.VOCAB_PAD` so it splits evenly over the model axis; padded logits are masked by the sampler.
 
 A leaf may later become a (values, scales) pair for quantized weights: the projections in
 model/transformer.py (`qkv`, `mlp`, the output projection, `lm_head`) are the places that would
@@ -16,7 +16,6 @@ learn to dequantize.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -27,8 +26,6 @@ from jax.sharding import Mesh
 
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
-
-VOCAB_PAD = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +67,7 @@ class Weights:
 
 
 def padded_vocab(cfg: ModelConfig) -> int:
-    return math.ceil(cfg.vocab_size / VOCAB_PAD) * VOCAB_PAD
+    return cfg.padded_vocab_size
 
 
 def logical_dims(cfg: ModelConfig) -> dict[str, int]:

@@ -3,6 +3,8 @@
 Order of checks for a generation request: API key (401) -> ready (503) -> content type and body
 size (400/413) -> JSON and fields (400) -> waiting queue (429) -> submit. Every failure is an
 OpenAI-shaped error; an unexpected exception is logged and answered with a 500-shaped error.
+Every HTTP request is counted while it runs (streams until their last event), so a drain after
+SIGTERM knows when the in-flight work is done.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.server import generation
 from jaxserve.server.errors import APIError, bad_request, internal, overloaded, too_large, unauthorized
@@ -51,6 +55,8 @@ def build_app(loader: Loader, config: ServerConfig) -> Starlette:
                     _check_auth(request, config.api_key)
                 return await handler(request)
             except APIError as e:
+                if e.status == 500:  # a server fault the client cannot fix: keep its cause
+                    logger.error("%s %s: %s", request.method, request.url.path, e.message, exc_info=e.__cause__)
                 return e.response()
             except ClientDisconnect:
                 return APIError(499, "client disconnected while sending the request").response()
@@ -91,9 +97,29 @@ def build_app(loader: Loader, config: ServerConfig) -> Starlette:
         Route("/health", guarded(health, False), methods=["GET"]),
         Route("/metrics", guarded(metrics, False), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+                    middleware=[Middleware(_CountInFlight, state=state)])
     app.state.server = state
     return app
+
+
+class _CountInFlight:
+    """ASGI middleware: `state.in_flight` counts HTTP requests from arrival until the last byte of
+    their response (the ASGI call of a streamed response returns after its last event)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
 
 
 async def _generate(state: ServerState, request: Request, parse: Callable[..., Any]) -> Response:

@@ -3,33 +3,48 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import sys
 import uuid
 from pathlib import Path
 from typing import TextIO
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
 
 BENCH_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
+# `generate`'s prefill bucket when the step budget is unset: longer prompts prefill in chunks of
+# this many tokens, so one program serves every prompt length and the step's activations stay small.
+MAX_GENERATE_PREFILL = 2048
 
 
 def generate(model: str | None, engine_cfg: EngineConfig, prompt: str, params: SamplingParams, chat: bool = False,
              out: TextIO = sys.stdout, show_progress: bool = True) -> str:
     """Loads the model, generates one completion of `prompt` and prints its text as it streams.
-    Returns the finish reason. Raises ValueError for invalid parameters or prompts."""
+
+    The engine runs `generate_engine_config(engine_cfg, ...)`: one request needs only a few of the
+    programs a server declares. Returns the finish reason. Raises ValueError for invalid parameters
+    or prompts."""
     from jaxserve.engine import Engine
+    from jaxserve.quiet import quiet_startup
     from jaxserve.server.launch import model_loader
     from jaxserve.server.streaming import RequestRun
 
     if params.n != 1:
         raise ValueError("generate prints one sample: n must be 1")
-    core, tokenizer, _ = model_loader(model, engine_cfg, show_progress)()
+    # The prompt is tokenized before the model loads: its length sizes the compiled programs.
+    quiet_startup()  # model_loader does this too, but the tokenizer imports transformers first here
+    model_dir = _model_dir(model)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     if not ids:
         raise ValueError("the prompt encodes to zero tokens")
+    one_request_cfg = generate_engine_config(engine_cfg, len(ids), params.max_tokens,
+                                             ModelConfig.from_hf(model_dir).max_position_embeddings)
+    core, _, _ = model_loader(model, one_request_cfg, show_progress)()
 
     async def run() -> str:
         engine = Engine(core)
@@ -49,6 +64,41 @@ def generate(model: str | None, engine_cfg: EngineConfig, prompt: str, params: S
             engine.shutdown()
 
     return asyncio.run(run())
+
+
+def generate_engine_config(cfg: EngineConfig, prompt_len: int, max_tokens: int | None,
+                           model_max_len: int) -> EngineConfig:
+    """`cfg` cut down to one request of `prompt_len` prompt tokens and up to `max_tokens` more.
+
+    Warm-up compiles every declared bucket, and a server's grid (many sequences, several step sizes,
+    sampler history widths for a long context) costs far more than one request uses: here one
+    sequence, a prefill bucket that holds the prompt (chunked above cfg's step budget) plus the
+    decode bucket 1, a context of prompt + output and a KV pool of just that context. Sizes are
+    rounded up to powers of two so that prompts of similar length compile the same programs (the
+    persistent compilation cache then serves them). Unset (None) limits of cfg fall back to the
+    model's context `model_max_len` and MAX_GENERATE_PREFILL. Raises ValueError, before anything
+    loads, when the request cannot fit the context."""
+    limit = min(cfg.max_model_len or model_max_len, model_max_len)
+    context = limit if max_tokens is None else prompt_len + max_tokens
+    if context > limit:
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {context} exceeds "
+                         f"the context limit {limit} (--max-model-len or the model's max_position_embeddings)")
+    prefill = min(_power_of_two_at_least(prompt_len), cfg.max_num_batched_tokens or MAX_GENERATE_PREFILL)
+    max_model_len = min(_power_of_two_at_least(context), limit)
+    return dataclasses.replace(cfg, max_num_seqs=1, seq_buckets=(1,), max_num_batched_tokens=prefill,
+                               token_buckets=tuple(sorted({1, prefill})), max_model_len=max_model_len,
+                               num_kv_pages=-(-max_model_len // cfg.page_size))
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _model_dir(model: str | None) -> Path:
+    from checkpoints import resolve_model_dir
+    from jaxserve.llm import default_model_dir
+
+    return resolve_model_dir(model) if model is not None else default_model_dir()
 
 
 def convert(src: str, dst: str, dtype: str | None = None) -> Path:
@@ -76,4 +126,4 @@ def bench(argv: list[str]) -> int:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses in the script look their module up there
     spec.loader.exec_module(module)
-    return int(module.main(argv) or 0)
+    return int(module.main(argv, prog="jaxserve bench") or 0)

@@ -1,7 +1,7 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with an HTTP status.
 
-Every failure a client can cause is an `APIError` raised with the status it deserves; only genuine
-bugs become a 500 (logged with a traceback by the route wrapper in app.py).
+Every failure a client can cause is an `APIError` raised with the status it deserves; only server
+faults become a 500 (logged with a traceback by the route wrapper in app.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+def model_not_found(model: str, served: tuple[str, ...]) -> APIError:
+    """404 as OpenAI and vLLM answer it (the openai client raises NotFoundError)."""
+    return APIError(404, f"The model {model!r} does not exist on this server; it serves: {', '.join(served)}",
+                    "NotFoundError", "model", "model_not_found")
+
+
 def unauthorized() -> APIError:
     return APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                     "invalid_request_error", None, "invalid_api_key")
@@ -56,6 +62,10 @@ def timed_out(seconds: float) -> APIError:
                     "timeout_error", None, "request_timeout")
 
 
+def server_error(message: str, code: str) -> APIError:
+    """A 500 the server knows the cause of (the route wrapper logs it with its cause)."""
+    return APIError(500, message, "internal_server_error", None, code)
+
+
 def internal() -> APIError:
-    return APIError(500, "internal server error (logged on the server)", "internal_server_error", None,
-                    "internal_error")
+    return server_error("internal server error (logged on the server)", "internal_error")

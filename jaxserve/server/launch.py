@@ -1,10 +1,11 @@
 """Running the server: a model loader with progress bars, and uvicorn with a graceful SIGTERM.
 
-On SIGTERM/SIGINT the server first enters draining (503 for new requests), then uvicorn stops
-accepting connections and waits up to `shutdown_timeout` seconds for in-flight responses; those
-still running after that are cancelled (which aborts their engine requests), the lifespan stops the
-engine thread, and `serve` returns 0. Unlike uvicorn's default, the signal is not re-raised after
-the shutdown, so a clean SIGTERM exit has exit code 0.
+On SIGTERM/SIGINT the server enters draining but keeps listening: new generation requests get a
+503 (code shutting_down) instead of "connection refused", while the requests already in flight run
+on for up to `shutdown_timeout` seconds. Once none is left (or the time is up) uvicorn stops: it
+closes the listener, cancels what still runs (which aborts those engine requests), the lifespan
+stops the engine thread, and `serve` returns 0. A second Ctrl+C stops at once. Unlike uvicorn's
+default, the signal is not re-raised after the shutdown, so a clean SIGTERM exit has exit code 0.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -21,10 +23,16 @@ import uvicorn
 from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
+from jaxserve.quiet import quiet_startup
 from jaxserve.server.app import build_app
 from jaxserve.server.state import Loader, ServerConfig, ServerState
 
 logger = logging.getLogger("jaxserve.server")
+
+# After the drain: how long uvicorn waits for responses still open before cancelling them. The
+# drain itself (up to shutdown_timeout) already waited for every request that could finish.
+FINAL_GRACE_SECONDS = 1.0
+_DEFAULT_MODEL = "jaxserve-tiny (embedded default)"
 
 
 def model_loader(model: str | None, engine_cfg: EngineConfig, show_progress: bool = True) -> Loader:
@@ -32,9 +40,10 @@ def model_loader(model: str | None, engine_cfg: EngineConfig, show_progress: boo
     with one tick per program)."""
 
     def load() -> tuple[Any, Any, Path]:
+        quiet_startup()  # before transformers is imported and jax picks its backend
         from jaxserve.llm import load_engine_core
 
-        name = model or "jaxserve-tiny (embedded default)"
+        name = model or _DEFAULT_MODEL
         with tqdm(total=1, desc=f"loading {name}", file=sys.stderr, disable=not show_progress) as bar:
             core, tokenizer, model_dir = load_engine_core(model, engine_cfg, warmup=False)
             bar.update(1)
@@ -68,18 +77,45 @@ def ready_line(state: ServerState, url: str) -> str:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn.Server that drains the app on a signal and does not re-raise the signal afterwards."""
+    """uvicorn.Server that drains the app on a signal while still answering (503 to new requests),
+    stops once the in-flight requests are done or `drain_timeout` has passed, and does not
+    re-raise the signal afterwards."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float, model: str) -> None:
         super().__init__(config)
         self.app_state = state
+        self.drain_timeout = drain_timeout
+        self.model = model                         # what is loading, for the "listening" line
+        self.drain_deadline: float | None = None   # monotonic; set by the first signal
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        """Binds, then says so in our words (quiet.py drops uvicorn's "Uvicorn running on" line,
+        which reads as ready while the model may load for minutes)."""
+        await super().startup(sockets)
+        if self.started and self.app_state.status == "loading":
+            logger.info("jaxserve listening on %s; loading %s (/health answers 503 until ready)", self.url(),
+                        self.model)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.app_state.begin_drain()
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl+C: stop waiting
-        else:
-            self.should_exit = True
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.drain_timeout
+            self.app_state.begin_drain()
+        elif sig == signal.SIGINT:  # a second Ctrl+C: stop without waiting
+            self.should_exit = self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        """Called by uvicorn's main loop every 0.1 s; True stops the server."""
+        if await super().on_tick(counter):
+            return True
+        if self.drain_deadline is None:
+            return False
+        if self.app_state.in_flight == 0:
+            return True
+        if time.monotonic() >= self.drain_deadline:
+            logger.warning("shutdown timeout of %gs reached: aborting %d in-flight requests", self.drain_timeout,
+                           self.app_state.in_flight)
+            return True
+        return False
 
     def url(self) -> str:
         cfg = self.config
@@ -106,14 +142,12 @@ def serve(model: str | None, engine_cfg: EngineConfig, server_cfg: ServerConfig,
         if "server" in holder:
             holder["server"].should_exit = True
 
+    quiet_startup()
     cfg = dataclasses.replace(server_cfg, on_ready=on_ready, on_load_failed=on_failed)
     app = build_app(model_loader(model, engine_cfg, show_progress), cfg)
     uv_cfg = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout, access_log=access_log)
-    server = GracefulServer(uv_cfg, app.state.server)
+                            timeout_graceful_shutdown=FINAL_GRACE_SECONDS, access_log=access_log)
+    server = GracefulServer(uv_cfg, app.state.server, shutdown_timeout, model or _DEFAULT_MODEL)
     holder["server"] = server
     server.run()
-    if failed:
-        logger.error("exiting: the model failed to load: %s", failed[0])
-        return 1
-    return 0
+    return 1 if failed else 0  # the loader thread has logged why

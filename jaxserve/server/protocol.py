@@ -3,24 +3,37 @@
 A JSON body becomes a `GenerationRequest` (token ids per prompt + SamplingParams) or an
 `APIError(400)` that names the offending field. Nothing malformed gets past this module: types are
 checked here, ranges by `SamplingParams.validate`, lengths against the engine's max_model_len.
-Unknown fields are ignored (as vLLM does), except features we do not implement (tools, echo, ...),
-which are refused rather than silently dropped.
+Unknown fields are accepted and logged once per request at WARNING (as vLLM does), except features
+we do not implement (tools, echo, ...), which are refused rather than silently dropped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from typing import Any, Literal, Protocol
 
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
-from jaxserve.server.errors import bad_request
+from jaxserve.server.errors import bad_request, model_not_found, server_error
+from jaxserve.tokenizer import ChatTemplateUnavailable
+
+logger = logging.getLogger("jaxserve.server")
 
 MAX_PROMPTS = 128              # prompts in one /v1/completions list
 MAX_CACHE_SALT_CHARS = 1024
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
                                        "return_dict", "return_tensors", "tools", "documents"})
+# Every field the parsers below read; anything else in a body is logged as ignored.
+_COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "logprobs", "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "logit_bias", "seed", "min_tokens", "stop", "stop_token_ids",
+    "ignore_eos", "skip_special_tokens", "stream", "stream_options", "user", "cache_salt", "priority",
+    "include_stop_str_in_output"})
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "functions",
+                                "tool_choice", "response_format", "chat_template_kwargs", "add_generation_prompt"}
 
 
 class TokenizerLike(Protocol):
@@ -186,9 +199,16 @@ def _model(body: dict, ctx: ModelContext) -> str:
     if model is None:
         return ctx.served_model_names[0]
     if model not in ctx.served_model_names:
-        raise bad_request(f"model {model!r} is not served here; available: {', '.join(ctx.served_model_names)}",
-                          "model", "model_not_found")
+        raise model_not_found(model, ctx.served_model_names)
     return model
+
+
+def _warn_ignored(body: dict, known: frozenset[str]) -> None:
+    """Unknown fields are accepted (clients send newer OpenAI fields) but never silently."""
+    ignored = sorted(set(body) - known)
+    if ignored:
+        logger.warning("The following fields were present in the request but ignored: {%s}",
+                       ", ".join(repr(name) for name in ignored))
 
 
 def _sampling(body: dict, ctx: ModelContext, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -233,15 +253,21 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, _bool(options, "include_usage", False)
 
 
-def _check_lengths(prompts: list[list[int]], max_tokens: int | None, ctx: ModelContext, param: str) -> None:
-    for ids in prompts:
-        if max_tokens is None:
-            if len(ids) >= ctx.max_model_len:
-                raise bad_request(f"prompt has {len(ids)} tokens, which leaves no room for output within "
-                                  f"max_model_len {ctx.max_model_len}", param, "context_length_exceeded")
-        elif len(ids) + max_tokens > ctx.max_model_len:
-            raise bad_request(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
-                              f"exceeds max_model_len ({ctx.max_model_len})", param, "context_length_exceeded")
+def _check_lengths(prompts: list[list[int]], max_tokens: int | None, ctx: ModelContext, prompt_param: str,
+                   max_tokens_param: str | None) -> None:
+    """A prompt that fills the context alone is the prompt's fault; prompt + a max_tokens the client
+    sent over the context is that field's fault (as OpenAI and vLLM name them). `max_tokens_param`
+    is None when `max_tokens` is a default the client did not send."""
+    for i, ids in enumerate(prompts):
+        what = f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param
+        if len(ids) >= ctx.max_model_len:
+            raise bad_request(f"'{what}' has {len(ids)} tokens, which leaves no room for output within "
+                              f"max_model_len {ctx.max_model_len}", prompt_param, "context_length_exceeded")
+        if max_tokens is not None and len(ids) + max_tokens > ctx.max_model_len:
+            limit = max_tokens_param or "the default max_tokens"
+            raise bad_request(f"'{what}' ({len(ids)} tokens) + {limit} ({max_tokens}) = {len(ids) + max_tokens} "
+                              f"exceeds max_model_len ({ctx.max_model_len})", max_tokens_param or prompt_param,
+                              "context_length_exceeded")
 
 
 def _common(kind: Literal["completion", "chat"], body: dict, ctx: ModelContext, max_tokens: int | None,
@@ -265,6 +291,7 @@ def _common(kind: Literal["completion", "chat"], body: dict, ctx: ModelContext, 
 
 def parse_completion(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
     """A /v1/completions body -> GenerationRequest (raises APIError(400) naming the field)."""
+    _warn_ignored(body, COMPLETION_FIELDS)
     _refuse(body, "echo", (None, False), "= true is not supported")
     _refuse(body, "suffix", (None, ""))
     _refuse(body, "best_of", (None, 1), "> 1 is not supported")
@@ -277,7 +304,8 @@ def parse_completion(body: dict[str, Any], ctx: ModelContext) -> GenerationReque
         raise bad_request("'prompt' is required", "prompt")
     gen = _common("completion", body, ctx, max_tokens, logprobs)
     gen.prompts = _completion_prompts(body, ctx)
-    _check_lengths(gen.prompts, max_tokens, ctx, "max_tokens")
+    sent = "max_tokens" if body.get("max_tokens") is not None else None  # else the default of 16 applies
+    _check_lengths(gen.prompts, max_tokens, ctx, "prompt", sent)
     return gen
 
 
@@ -308,7 +336,9 @@ def _completion_prompts(body: dict, ctx: ModelContext) -> list[list[int]]:
 
 
 def parse_chat(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
-    """A /v1/chat/completions body -> GenerationRequest (raises APIError(400) naming the field)."""
+    """A /v1/chat/completions body -> GenerationRequest (raises APIError(400) naming the field, or
+    APIError(500) when the server cannot render chat templates)."""
+    _warn_ignored(body, CHAT_FIELDS)
     if body.get("tools"):
         raise bad_request("'tools' (function calling) is not supported", "tools")
     _refuse(body, "functions")
@@ -336,8 +366,10 @@ def parse_chat(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
         ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), "messages") from None
+    except ChatTemplateUnavailable as e:  # the server's fault: the cause is logged with the 500
+        raise server_error(str(e), "chat_template_unavailable") from e
     if not ids:
         raise bad_request("'messages' render to zero tokens", "messages")
     gen.prompts = [ids]
-    _check_lengths(gen.prompts, max_tokens, ctx, name)
+    _check_lengths(gen.prompts, max_tokens, ctx, "messages", name if max_tokens is not None else None)
     return gen

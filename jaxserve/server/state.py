@@ -2,8 +2,11 @@
 
 The model loads and warms up on a thread started by the app's lifespan, so the HTTP server is up
 (answering /health with 503) while XLA compiles. A SIGTERM (or the lifespan's shutdown) moves the
-state to draining: new generation requests get 503, in-flight ones finish within uvicorn's
-graceful-shutdown period (or are cancelled, which aborts them), then the engine thread stops.
+state to draining: the server keeps listening, new generation requests get 503, and `in_flight`
+(counted by the app) tells launch.py when the requests already running have finished; then uvicorn
+stops and the lifespan stops the engine thread.
+
+Host side: jax is imported only by the loader thread (through the Engine), never by this module.
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from jaxserve.engine import Engine
 from jaxserve.server.errors import unavailable
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.protocol import ModelContext
 from jaxserve.server.responses import TokenStrings
+
+if TYPE_CHECKING:
+    from jaxserve.engine import Engine
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -65,6 +70,7 @@ class ServerState:
         self.model: ModelContext | None = None
         self.strings: TokenStrings | None = None
         self.load_seconds = 0.0
+        self.in_flight = 0             # HTTP requests running now (app.py counts them, on the event loop)
         self._thread: threading.Thread | None = None
         self.tokenize_lock = threading.Lock()
 
@@ -77,6 +83,8 @@ class ServerState:
     def _load(self) -> None:
         start = time.monotonic()
         try:
+            from jaxserve.engine import Engine  # jax: only on this thread
+
             core, tokenizer, model_dir = self.loader()
             if self.status != "loading":  # shut down while we were loading
                 return
@@ -94,7 +102,11 @@ class ServerState:
         except BaseException as e:
             self.error = e
             self.status = "failed"
-            logger.exception("loading the model failed")
+            if isinstance(e, (ValueError, FileNotFoundError)):  # a wrong --model or model files: one line
+                logger.error("loading the model failed: %s", e)
+                logger.debug("traceback of the load failure", exc_info=e)
+            else:
+                logger.exception("loading the model failed")
             if self.config.on_load_failed is not None:
                 self.config.on_load_failed(e)
             return
@@ -104,7 +116,7 @@ class ServerState:
     def begin_drain(self) -> None:
         if self.status in ("loading", "ready"):
             self.status = "draining"
-            logger.info("draining: new requests get 503, in-flight requests may finish")
+            logger.info("draining: new requests get 503, %d in-flight requests may finish", self.in_flight)
 
     async def shutdown(self) -> None:
         self.begin_drain()

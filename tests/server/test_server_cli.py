@@ -1,23 +1,21 @@
-"""`jaxserve` argument wiring: flags -> EngineConfig / ServerConfig (no model is loaded here)."""
+"""`jaxserve` argument wiring: flags -> EngineConfig / ServerConfig, and `jaxserve bench` as the
+README runs it, against a real server."""
 
 from __future__ import annotations
+
+import contextlib
+import io
+import re
 
 import pytest
 
 from jaxserve import cli
+from server_utils import MODEL, start_server
 
 
 def engine_config(*flags: str):
     args = cli.build_parser().parse_args(["serve", *flags])
     return cli._engine_config(args, "m")
-
-
-def test_serve_defaults_are_cpu_friendly():
-    cfg = engine_config()
-    assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (2048, 16, 256)
-    assert cfg.resolved_token_buckets() == (16, 64, 256) and cfg.resolved_seq_buckets() == (16,)
-    assert cfg.enable_prefix_caching and cfg.mesh_shape == (1, 1) and cfg.dtype is None
-    assert cfg.async_scheduling
 
 
 def test_engine_flags_reach_the_engine_config():
@@ -26,16 +24,26 @@ def test_engine_flags_reach_the_engine_config():
                         "--no-enable-prefix-caching", "--mesh", "2x4", "--dtype", "bfloat16",
                         "--scheduling-policy", "priority", "--token-buckets", "32,1024",
                         "--compilation-cache-dir", "/tmp/x", "--max-waiting-requests", "7",
-                        "--no-async-scheduling")
+                        "--no-async-scheduling", "--memory-utilization", "0.7", "--seq-buckets", "2,4")
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.page_size) == (512, 8, 128, 32)
     assert cfg.num_kv_pages == 99 and cfg.kv_cache_memory == 2 * 2**30 and not cfg.enable_prefix_caching
     assert cfg.mesh_shape == (2, 4) and cfg.dtype == "bfloat16" and cfg.scheduling_policy == "priority"
     # buckets above the step budget are dropped; the budget itself is always a bucket
-    assert cfg.token_buckets == (32, 128) and cfg.seq_buckets == (8,)
+    assert cfg.resolved_token_buckets() == (32, 128) and cfg.resolved_seq_buckets() == (2, 4, 8)
     assert cfg.compilation_cache_dir == "/tmp/x" and cfg.max_waiting_requests == 7
-    assert not cfg.async_scheduling
-    assert engine_config("--token-buckets", "auto").resolved_token_buckets() == (16, 32, 64, 128, 256)
+    assert not cfg.async_scheduling and cfg.memory_utilization == 0.7
+    assert engine_config("--token-buckets", "auto", "--max-num-batched-tokens", "256").resolved_token_buckets() \
+        == (16, 64, 128, 256)
     assert engine_config("--tensor-parallel-size", "4").mesh_shape == (1, 4)
+
+
+def test_no_sizing_flags_leave_every_size_to_the_machine():
+    cfg = engine_config()
+    assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.num_kv_pages,
+            cfg.kv_cache_memory, cfg.memory_utilization, cfg.token_buckets, cfg.seq_buckets,
+            cfg.compilation_cache_dir) == (None,) * 9
+    assert cfg.enable_prefix_caching and cfg.mesh_shape == (1, 1) and cfg.dtype is None
+    assert cfg.async_scheduling
 
 
 def test_contradicting_mesh_flags_are_an_error():
@@ -45,6 +53,7 @@ def test_contradicting_mesh_flags_are_an_error():
 
 @pytest.mark.parametrize("flags", [["--mesh", "4"], ["--mesh", "0x2"], ["--kv-cache-memory", "lots"],
                                    ["--token-buckets", "8,x"], ["--request-timeout", "0"],
+                                   ["--memory-utilization", "1.5"],
                                    ["--scheduling-policy", "random"]])
 def test_invalid_flags_exit_with_usage_error(flags, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -57,4 +66,21 @@ def test_bench_passes_every_argument_to_the_bench_script(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--help"])
     assert exc.value.code == 0
-    assert "--base-url" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith("usage: jaxserve bench ") and "--base-url" in out
+
+
+def test_bench_as_the_readme_runs_it_against_a_real_server(loaded_model):
+    """`jaxserve bench --base-url URL --model jaxserve-tiny ...`: no --tokenizer (the embedded
+    model's is the default), the real script, a real server; two tiny requests."""
+    live = start_server(loaded_model)
+    out = io.StringIO()
+    try:  # not capsys: with a live uvicorn server in the test, capsys's teardown fails (closed file)
+        with contextlib.redirect_stdout(out):
+            code = cli.main(["bench", "--base-url", live.url, "--model", MODEL, "--num-requests", "2",
+                             "--prompt-len-min", "4", "--prompt-len-max", "8", "--output-len-min", "2",
+                             "--output-len-max", "3"])
+    finally:
+        live.stop()
+    assert code == 0, out.getvalue()
+    assert re.search(r"requests completed / failed\s+2 / 0", out.getvalue()), out.getvalue()

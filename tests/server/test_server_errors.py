@@ -1,11 +1,13 @@
 """Every client error gets its OpenAI-shaped status (400/401/404/405/413/429), never a 500, and a
-malformed body never reaches the engine."""
+malformed body never reaches the engine; a server fault is a 500 that says so."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
+import openai
 import pytest
 
 from server_utils import MODEL, LiveServer, start_server
@@ -47,7 +49,14 @@ INVALID_BODIES = [
     ("completions", {"prompt": [10**9]}, "prompt"),
     ("completions", {"prompt": [[1, 2], []]}, "prompt"),
     ("completions", {"prompt": [True, False]}, "prompt"),
-    ("completions", {"prompt": "hi " * 300, "max_tokens": 16}, "max_tokens"),
+    # Too long for max_model_len (256): the prompt alone fills it -> the prompt's fault; the prompt
+    # fits but the max_tokens the client sent does not -> max_tokens' fault.
+    ("completions", {"prompt": "hi " * 300}, "prompt"),
+    ("completions", {"prompt": "hi " * 300, "max_tokens": 16}, "prompt"),
+    ("completions", {"prompt": "hi " * 300, "max_tokens": None}, "prompt"),
+    ("completions", {"prompt": ["hi", "hi " * 300]}, "prompt"),
+    ("completions", {"prompt": "hi " * 250}, "prompt"),  # fits alone, not with the default max_tokens 16
+    ("completions", {"prompt": "hi " * 100, "max_tokens": 200}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": "10"}, "max_tokens"),
@@ -76,7 +85,6 @@ INVALID_BODIES = [
     ("completions", {"prompt": "hi", "logit_bias": [1, 2]}, "logit_bias"),
     ("completions", {"prompt": "hi", "seed": 2**70}, "seed"),
     ("completions", {"prompt": "hi", "min_tokens": 50, "max_tokens": 10}, "min_tokens"),
-    ("completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
     ("completions", {"prompt": "hi", "model": 7}, "model"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -100,6 +108,9 @@ INVALID_BODIES = [
     ("chat/completions", {"messages": MSG, "logprobs": 1}, "logprobs"),
     ("chat/completions", {"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat/completions", {"messages": MSG, "max_tokens": 300}, "max_tokens"),
+    ("chat/completions", {"messages": MSG, "max_completion_tokens": 300}, "max_completion_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 300}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 300}], "max_tokens": 8}, "messages"),
     ("chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
@@ -213,3 +224,52 @@ def test_full_waiting_queue_gets_429_and_the_engine_recovers(live):
     r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
                    headers=AUTH, timeout=60)
     assert r.status_code == 200
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_wrong_model_is_404_model_not_found_for_the_openai_client(live, endpoint):
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEY, max_retries=0)
+    before = engine_counters(live)
+    with pytest.raises(openai.NotFoundError) as exc:
+        if endpoint == "chat":
+            client.chat.completions.create(model="gpt-4o", messages=MSG, max_tokens=1)
+        else:
+            client.completions.create(model="gpt-4o", prompt="hi", max_tokens=1)
+    assert exc.value.status_code == 404 and exc.value.code == "model_not_found"
+    assert "gpt-4o" in exc.value.message and MODEL in exc.value.message  # names both
+    assert engine_counters(live) == before
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": "gpt-4o", "prompt": "hi"}, headers=AUTH)
+    error = assert_openai_error(r, 404, "model")
+    assert error["code"] == "model_not_found"
+
+
+def test_unknown_fields_are_logged_once_by_name_and_the_request_is_served(live, caplog):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "frobnicate": True, "reasoning_effort": "low"}
+    with caplog.at_level(logging.WARNING, logger="jaxserve.server"):
+        r = httpx.post(f"{live.url}/v1/completions", json=body, headers=AUTH, timeout=60)
+        chat = httpx.post(f"{live.url}/v1/chat/completions", json={"model": MODEL, "messages": MSG, "max_tokens": 1},
+                          headers=AUTH, timeout=60)
+    assert r.status_code == 200 and chat.status_code == 200
+    ignored = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert ignored == ["The following fields were present in the request but ignored: "
+                       "{'frobnicate', 'reasoning_effort'}"]
+
+
+def test_chat_template_server_fault_is_a_500_that_says_so_not_a_400(live, loaded_model, monkeypatch, caplog):
+    """transformers raises ImportError from apply_chat_template when jinja2 is missing: the server's
+    fault, so not a 400 blaming 'messages'."""
+    def no_jinja(*args, **kwargs):
+        raise ImportError("apply_chat_template requires jinja2 to be installed.")
+
+    # On the instance's __dict__, so that undoing it leaves the shared tokenizer exactly as it was.
+    monkeypatch.setitem(vars(loaded_model[1].hf), "apply_chat_template", no_jinja)
+    before = engine_counters(live)
+    with caplog.at_level(logging.ERROR, logger="jaxserve.server"):
+        r = httpx.post(f"{live.url}/v1/chat/completions", json={"model": MODEL, "messages": MSG}, headers=AUTH)
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] is None
+    assert error["code"] == "chat_template_unavailable" and "jinja2" in error["message"]
+    assert "server" in error["message"]
+    assert engine_counters(live) == before
+    assert any(rec.exc_info and "jinja2" in rec.getMessage() for rec in caplog.records)  # logged with its cause

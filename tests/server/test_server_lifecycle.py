@@ -1,4 +1,5 @@
-"""Lifecycle: 503 while warming up, per-request timeouts, and SIGTERM to `jaxserve serve`."""
+"""Lifecycle: 503 while warming up, per-request timeouts, a load failure, and SIGTERM to
+`jaxserve serve` (drain with 503s while in-flight requests finish)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import time
 from pathlib import Path
 
 import httpx
+import uvicorn
 
 from jaxserve.server import ServerConfig, build_app
+from jaxserve.server.launch import FINAL_GRACE_SECONDS, GracefulServer
 from server_utils import MODEL, TEST_ENGINE, LiveServer, read_sse, start_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,9 +76,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _env() -> dict[str, str]:
+    # Same XLA options as this process, so the warm-up hits the compilation cache written here.
+    return {**os.environ, "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
 def test_sigterm_drains_in_flight_stream_and_exits_0(xla_cache_dir, loaded_model, tmp_path):
-    """`jaxserve serve` as a subprocess: /health is 503 during its real warm-up, then 200; a stream
-    in flight at SIGTERM completes; the process exits with code 0 within the grace period."""
+    """`jaxserve serve` as a subprocess: /health is 503 during its real warm-up, then 200; after
+    SIGTERM it still listens and answers new requests with 503 while the stream in flight
+    completes; then the process exits with code 0. Its log has our "listening" line instead of
+    uvicorn's, no access lines for /health polls, and no libtpu noise."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cfg = TEST_ENGINE
@@ -84,13 +95,10 @@ def test_sigterm_drains_in_flight_stream_and_exits_0(xla_cache_dir, loaded_model
            "--max-num-batched-tokens", str(cfg["max_num_batched_tokens"]),
            "--num-kv-pages", str(cfg["num_kv_pages"]), "--page-size", str(cfg["page_size"]),
            "--token-buckets", "64", "--seq-buckets", "16", "--compilation-cache-dir", str(xla_cache_dir),
-           "--shutdown-timeout", "30", "--no-progress", "--no-access-log"]
-    # Same XLA options as this process, so the warm-up hits the compilation cache written here.
-    env = {**os.environ, "JAX_DEFAULT_MATMUL_PRECISION": "highest",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+           "--shutdown-timeout", "30", "--no-progress"]
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
         saw_503 = False
         deadline = time.monotonic() + 240
@@ -108,29 +116,95 @@ def test_sigterm_drains_in_flight_stream_and_exits_0(xla_cache_dir, loaded_model
         assert saw_503, "never saw /health answer 503 during warm-up"
         assert "jaxserve ready at" in log_path.read_text()
 
-        body = {"model": MODEL, "prompt": "Count with me", "max_tokens": 12, "temperature": 0,
+        # Long enough (200 steps) to still be running while the late requests below are answered.
+        body = {"model": MODEL, "prompt": "Count with me", "max_tokens": 200, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        events = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             for line in lines:
                 if line.startswith("data: {"):
                     break
-            sent_at = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.3)
-            try:  # new work is refused: the listener is closed, or it answers 503
-                late = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=5)
-                assert late.status_code == 503
-            except httpx.TransportError:
-                pass
+            # Still listening: a new request is answered 503 (not "connection refused").
+            late = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=5)
+            assert late.status_code == 503, late.text
+            assert late.json()["error"]["code"] == "shutting_down"
+            health = httpx.get(f"{url}/health", timeout=5)
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+            assert proc.poll() is None
             events = [line for line in lines if line]
+            ended_at = time.monotonic()
         assert events[-1] == "data: [DONE]"
         assert '"finish_reason":"length"' in events[-2]  # the in-flight request ran to completion
         assert proc.wait(timeout=60) == 0, log_path.read_text()
-        assert time.monotonic() - sent_at < 30
+        assert time.monotonic() - ended_at < 10  # it stops once nothing is in flight, not at the timeout
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    log = log_path.read_text()
+    assert "Uvicorn running on" not in log
+    assert log.index("jaxserve listening on") < log.index("jaxserve ready at"), log
+    assert '"GET /health' not in log and '"POST /v1/completions HTTP/1.1" 200' in log, log
+    assert "Unable to initialize backend 'tpu'" not in log and "Traceback" not in log, log
+
+
+def test_drain_timeout_aborts_what_still_runs(loaded_model):
+    """In process, the same GracefulServer: with a 1 s drain, a stream that needs longer is cut and
+    its engine request aborted; the server stops shortly after the timeout."""
+    app = build_app(lambda: loaded_model, ServerConfig(served_model_names=(MODEL,)))
+    state = app.state.server
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+                            timeout_graceful_shutdown=FINAL_GRACE_SECONDS)
+    server = GracefulServer(config, state, drain_timeout=1.0, model=MODEL)
+    thread = threading.Thread(target=server.run, name="test-graceful-uvicorn", daemon=True)
+    thread.start()
+    core = loaded_model[0]
+    try:
+        deadline = time.monotonic() + 60
+        while state.status != "ready" or not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+        url = server.url()
+        body = {"model": MODEL, "prompt": "Count with me", "max_tokens": 240, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        data: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            data.append(next(line for line in lines if line.startswith("data: {")))
+            signalled = time.monotonic()
+            server.handle_exit(signal.SIGTERM, None)
+            late = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=5)
+            assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+            try:
+                data += [line for line in lines if line]
+            except httpx.HTTPError:  # the cut may surface as an incomplete chunked body
+                pass
+        thread.join(30)
+        assert not thread.is_alive()
+        assert time.monotonic() - signalled < 1.0 + FINAL_GRACE_SECONDS + 5
+        assert "data: [DONE]" not in data and len(data) < 240  # cut before the end
+        assert state.in_flight == 0
+    finally:
+        server.should_exit = server.force_exit = True
+        thread.join(30)
+        while core.has_work():  # the next module's engine starts from an idle core
+            core.step()
+    stats = core.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.num_free_pages == stats.num_total_pages
+
+
+def test_model_that_fails_to_load_is_one_clear_line_and_exit_1(tmp_path):
+    """An uncached hub id: no traceback (the load runs on the server's loader thread), the message
+    says how to fetch it with today's `hf` command, and the process exits non-zero."""
+    env = {**_env(), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", "not/cached", "--port", "0", "--no-progress"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 1, log
+    assert "Traceback" not in log and "huggingface-cli" not in log, log
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, log
+    assert "'not/cached'" in errors[0] and "`hf download not/cached`" in errors[0]

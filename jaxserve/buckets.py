@@ -1,0 +1,96 @@
+"""Every declared step shape: token and sequence buckets of the forward, history widths of the sampler.
+
+Pure Python (no jax): the capacity planner counts programs with it, step_inputs pads to it, the
+model runner compiles exactly these shapes at warm-up.
+
+Buckets grow by BUCKET_FACTOR (4) so the number of compiled programs stays logarithmic in the
+limits, and the two largest token buckets are half the budget and the budget, so a busy server's
+full steps pad by at most 2x.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+
+BUCKET_FACTOR = 4
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 4
+MIN_HISTORY_BUCKET = 64
+HISTORY_FACTOR = 16
+MAX_EOS_IDS = 64  # slack for EOS ids banned before min_tokens (bucket bound only)
+
+
+def geometric_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """lo x 4^k below hi/2, then hi/2 and hi; every bucket in [min(lo, hi), hi]."""
+    if hi <= lo:
+        return (hi,)
+    out, b = set(), lo
+    while b < hi // 2:
+        out.add(b)
+        b *= BUCKET_FACTOR
+    out.update({max(lo, hi // 2), hi})
+    return tuple(sorted(out))
+
+
+def token_buckets(cfg: Any) -> tuple[int, ...]:
+    """Declared step sizes in tokens: the config's list (kept below the budget, plus the budget),
+    or the geometric ladder up to max_num_batched_tokens."""
+    budget = cfg.max_num_batched_tokens
+    if cfg.token_buckets:
+        return tuple(sorted({b for b in cfg.token_buckets if b < budget} | {budget}))
+    return geometric_buckets(min(MIN_TOKEN_BUCKET, budget), budget)
+
+
+def seq_buckets(cfg: Any) -> tuple[int, ...]:
+    """Declared sequence-row counts: the config's list (plus max_num_seqs), or the geometric ladder."""
+    top = cfg.max_num_seqs
+    if cfg.seq_buckets:
+        return tuple(sorted({b for b in cfg.seq_buckets if b < top} | {top}))
+    out, b = {top}, min(MIN_SEQ_BUCKET, top)
+    while b < top:
+        out.add(b)
+        b *= BUCKET_FACTOR
+    return tuple(sorted(out))
+
+
+def declared_buckets(cfg: Any) -> list[tuple[int, int]]:
+    """All (T, S) forward shapes compiled at start-up, smallest first. A step of T tokens has at
+    most T sequences, so sequence buckets above T are capped at T."""
+    return sorted({(t, min(s, t)) for t in token_buckets(cfg) for s in seq_buckets(cfg)})
+
+
+def choose_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    fitting = [b for b in buckets if b[0] >= num_tokens and b[1] >= num_seqs]
+    if not fitting:
+        raise ValueError(f"no declared bucket holds {num_tokens} tokens and {num_seqs} sequences; "
+                         f"largest is {max(buckets)}")
+    return min(fitting, key=lambda b: (b[0], b[1]))
+
+
+def history_buckets(max_model_len: int, vocab_size: int | None = None) -> list[int]:
+    """Every token-table width H that the sampler's `from_rows` can produce (0 = no table).
+
+    The model runner precompiles these (times its row buckets). Widths grow 16x (the table is
+    small next to the vocab-wide work it feeds, so its padding costs little) until one holds the
+    widest table possible: a row whose whole context is distinct tokens plus a full logit_bias and
+    the stop/EOS ids. No width exceeds the vocabulary (a row's ids are distinct).
+    """
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    limit = max_model_len + MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + MAX_EOS_IDS
+    if vocab_size is not None:
+        limit = min(limit, vocab_size)
+    buckets = [0]
+    while buckets[-1] < limit:
+        buckets.append(history_bucket(buckets[-1] + 1, vocab_size))
+    return buckets
+
+
+def history_bucket(n: int, vocab_size: int | None = None) -> int:
+    """The declared width that holds a table of n distinct ids: 0, or 64 x 16^k capped at the vocab."""
+    h = 0 if n == 0 else MIN_HISTORY_BUCKET
+    while h < n:
+        h *= HISTORY_FACTOR
+    return h if vocab_size is None else min(h, vocab_size)

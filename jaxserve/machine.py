@@ -1,0 +1,48 @@
+"""What the capacity planner needs to know about the devices a mesh runs on (memory, cores, kind).
+
+Accelerators report their memory limit and what is in use (weights included) through
+`Device.memory_stats()`. A CPU device shares the host's RAM, so its figure is the RAM available
+now (`MemAvailable`, read after the weights are loaded, so they are already accounted for).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from jax.sharding import Mesh
+
+from jaxserve.capacity import MachineInfo
+
+
+def machine_info(mesh: Mesh) -> MachineInfo:
+    device = mesh.devices.flat[0]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    platform = "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+    if platform == "cpu":
+        return MachineInfo("cpu", cpu_model_name(), available_ram(), 0, cores)
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise ValueError(f"{device.device_kind} does not report its memory; set --num-kv-pages or "
+                         "--kv-cache-memory")
+    return MachineInfo(platform, device.device_kind, int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0)),
+                       cores)
+
+
+def available_ram() -> int:
+    """MemAvailable from /proc/meminfo (bytes); elsewhere the physical pages the OS reports free."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_model_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "cpu"

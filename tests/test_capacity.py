@@ -1,0 +1,172 @@
+"""Defaults sized from the machine and the model (capacity.py), the bucket ladder (buckets.py), and
+the temporaries estimate against XLA's own memory analysis."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import pytest
+
+from engine_utils import greedy, run_all, tiny_model
+from jaxserve import buckets, capacity
+from jaxserve.capacity import MachineInfo, plan_capacity
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine import EngineCore
+from jaxserve.machine import machine_info
+from jaxserve.request import Request
+from jaxserve.sharding import make_mesh
+
+GIB = 1024 ** 3
+# jaxserve-tiny's shape: Qwen3, hidden 256, 4 layers, 4 x 64 query heads, 2 KV heads, mlp 768
+TINY = ModelConfig.from_hf({
+    "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151_936, "hidden_size": 256, "intermediate_size": 768,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "max_position_embeddings": 4096})
+CPU_2 = MachineInfo("cpu", "test cpu", memory_per_device=20 * GIB, cpu_cores=2)
+
+
+def test_flops_and_kv_arithmetic_by_hand():
+    # per layer: q and o 256 x 256 each, k and v 256 x 128 each, mlp 3 x 256 x 768
+    per_layer = 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 768
+    assert capacity.flops_per_token(TINY) == 2 * 4 * per_layer == 6_291_456
+    assert capacity.flops_per_sampled_row(TINY) == 2 * 256 * 151_936  # 151,936 is a multiple of 128
+    assert capacity.kv_bytes_per_token(TINY, 4) == 2 * 4 * 2 * 64 * 4 == 4096
+    assert capacity.kv_bytes_per_token(TINY, 4, model_axis=2) == 2048   # KV heads split over 2 devices
+    assert capacity.kv_bytes_per_token(TINY, 4, model_axis=4) == 4096   # 4 does not divide 2 heads: replicated
+
+
+def test_cpu_defaults_follow_the_model_flops():
+    cap = plan_capacity(EngineConfig(), TINY, CPU_2, itemsize=4)
+    e = cap.engine
+    step_flops = 2 * 40e9 * 0.5                        # 2 cores x nominal 40 GFLOP/s x 0.5 s
+    assert step_flops / 6_291_456 > 2048               # -> the CPU ceiling of 2048 tokens
+    assert e.max_num_batched_tokens == 2048
+    assert e.max_num_seqs == 256
+    assert e.max_model_len == 4096                     # the model's context
+    # The CPU pool is capped at 2,048 tokens for each of the 256 sequences, 16 tokens a page.
+    assert e.num_kv_pages == 256 * 2048 // 16
+    assert cap.kv_pool_bytes == e.num_kv_pages * 16 * 4096
+    assert e.resolved_token_buckets() == (16, 64, 256, 1024, 2048)
+    assert e.resolved_seq_buckets() == (4, 16, 64, 256)
+    assert cap.num_programs == capacity.count_programs(e, TINY)
+    text = "\n".join(cap.lines)
+    for needle in ("KV pool: 32768 pages", "max_num_seqs 256", "max_num_batched_tokens 2048", "forward programs",
+                   "pads to <= 4.0 n"):
+        assert needle in text
+
+
+def test_a_bigger_model_gets_a_smaller_cpu_step():
+    m105 = dataclasses.replace(TINY, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
+                               num_kv_heads=4, head_dim=64)  # the bench-105m preset
+    assert capacity.flops_per_token(m105) == 2 * 8 * (512 * 64 * 24 + 3 * 512 * 1536) == 50_331_648
+    e = plan_capacity(EngineConfig(), m105, CPU_2, itemsize=4).engine
+    assert e.max_num_batched_tokens == 512             # 40 GFLOP / 50.3 MFLOP = 795 -> 512
+    big = dataclasses.replace(TINY, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                              num_kv_heads=8, head_dim=128)  # Qwen3-0.6B's shape
+    e = plan_capacity(EngineConfig(), big, CPU_2, itemsize=4).engine
+    assert e.max_num_batched_tokens == 512             # the floor: 40 GFLOP is 44 of its tokens
+    # 229 KiB of KV per token: 10 GiB (half the RAM) minus temporaries holds fewer than 256 x 256 tokens
+    pool_tokens = e.num_kv_pages * 16
+    assert pool_tokens < 256 * 256 and e.max_num_seqs == pool_tokens // 256
+
+
+def test_explicit_settings_win():
+    e = plan_capacity(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
+                                   num_kv_pages=100), TINY, CPU_2, itemsize=4).engine
+    assert (e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, e.num_kv_pages) == (8, 64, 512, 100)
+    e = plan_capacity(EngineConfig(kv_cache_memory=64 * 2 ** 20), TINY, CPU_2, itemsize=4).engine
+    assert e.num_kv_pages == 64 * 2 ** 20 // (4096 * 16)
+
+
+def test_accelerator_pool_is_the_memory_left_after_weights_and_temporaries():
+    h200 = MachineInfo("gpu", "NVIDIA H200", memory_per_device=141 * GIB, memory_in_use=2 * GIB, cpu_cores=16)
+    cap = plan_capacity(EngineConfig(), TINY, h200, itemsize=2)
+    e = cap.engine
+    assert (e.max_num_seqs, e.max_num_batched_tokens) == (256, 8192)   # >= 70 GiB: the large budget
+    page = capacity.kv_bytes_per_token(TINY, 2) * 16
+    assert e.num_kv_pages == (int(0.9 * 141 * GIB) - 2 * GIB - cap.temp_bytes) // page
+    l4 = MachineInfo("gpu", "NVIDIA L4", memory_per_device=22 * GIB, memory_in_use=GIB)
+    assert plan_capacity(EngineConfig(), TINY, l4, 2).engine.max_num_batched_tokens == 2048
+    v6e = MachineInfo("tpu", "TPU v6 lite", memory_per_device=31 * GIB)
+    assert plan_capacity(EngineConfig(), TINY, v6e, 2).engine.max_num_batched_tokens == 1024
+
+
+def test_a_small_pool_bounds_context_and_sequences():
+    # 1,000 pages x 16 = 16,000 tokens: below 4 full 4096-token sequences per ... 62 sequences of 256
+    e = plan_capacity(EngineConfig(num_kv_pages=1000), TINY, CPU_2, itemsize=4).engine
+    assert e.max_model_len == 4096 and e.max_num_seqs == 16_000 // 256
+    e = plan_capacity(EngineConfig(num_kv_pages=100), TINY, CPU_2, itemsize=4)
+    assert e.engine.max_model_len == 1600 and "max_model_len lowered" in "\n".join(e.lines)
+    with pytest.raises(ValueError, match="less than max_model_len 4096"):
+        plan_capacity(EngineConfig(num_kv_pages=100, max_model_len=4096), TINY, CPU_2, itemsize=4)
+
+
+def test_no_page_fits_names_the_settings():
+    full = MachineInfo("gpu", "NVIDIA L4", memory_per_device=22 * GIB, memory_in_use=21 * GIB)
+    with pytest.raises(ValueError, match="memory-utilization"):
+        plan_capacity(EngineConfig(), TINY, full, itemsize=2)
+    with pytest.raises(ValueError, match="exceeds the model's context 4096"):
+        plan_capacity(EngineConfig(max_model_len=8192), TINY, CPU_2, itemsize=4)
+    dynamic = dataclasses.replace(TINY, rope=dataclasses.replace(TINY.rope, rope_type="dynamic", factor=2.0))
+    assert plan_capacity(EngineConfig(), dynamic, CPU_2, itemsize=4).engine.max_model_len == 8192
+    assert plan_capacity(EngineConfig(max_model_len=10_000), dynamic, CPU_2, itemsize=4).engine.max_model_len == 10_000
+
+
+def test_bucket_ladder_bounds_padding_and_programs():
+    assert buckets.geometric_buckets(16, 2048) == (16, 64, 256, 1024, 2048)
+    assert buckets.geometric_buckets(16, 512) == (16, 64, 256, 512)
+    assert buckets.geometric_buckets(16, 8) == (8,)
+    cfg = EngineConfig(max_num_seqs=128, max_num_batched_tokens=1024, max_model_len=4096)
+    pairs = buckets.declared_buckets(cfg)
+    assert all(s <= t for t, s in pairs)
+    assert len(pairs) <= 20
+    for n in range(1, 1025):  # every step size pads to at most 4x (2x in the top two buckets)
+        t = min(b for b in cfg.resolved_token_buckets() if b >= n)
+        assert t <= max(16, 4 * n) and (n <= 256 or t <= 2 * n)
+    assert buckets.history_buckets(4096, 151_936) == [0, 64, 1024, 16384]
+    assert buckets.history_buckets(40960, 151_936) == [0, 64, 1024, 16384, 151_936]  # capped at the vocab
+    assert all(buckets.history_bucket(n, 151_936) in buckets.history_buckets(4096, 151_936)
+               for n in range(0, 4096 + 300 + 64 + 64 + 1, 7))
+
+
+def test_machine_info_on_this_cpu():
+    info = machine_info(make_mesh(1, 1))
+    assert info.platform == "cpu" and info.memory_per_device > 2 ** 28 and info.cpu_cores >= 1
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg, weights, _ = tiny_model(tmp_path_factory.mktemp("cap"), "qwen3-qknorm", seed=2)
+    return cfg, weights
+
+
+def test_an_engine_without_sizes_resolves_them_logs_them_and_warms_exactly_the_counted_programs(tiny, caplog):
+    cfg, weights = tiny
+    caplog.set_level(logging.INFO, logger="jaxserve.model_runner")
+    core = EngineCore(cfg, weights, EngineConfig(max_model_len=64), make_mesh(1, 1))
+    e = core.engine_cfg
+    assert None not in (e.max_num_seqs, e.max_num_batched_tokens, e.num_kv_pages)
+    assert "KV pool:" in caplog.text and "forward programs" in caplog.text
+    totals = []
+    core.runner.warmup(lambda done, total, what: totals.append(total))
+    assert totals[-1] == core.runner.capacity.num_programs
+    out = run_all(core, [Request("a", [3, 4, 5], greedy(4))])
+    assert len(out["a"][0]) == 4
+
+
+def test_temporaries_estimate_covers_xla_memory_analysis(tiny):
+    """The planner's per-step estimate is an upper bound of what XLA allocates for the forward and
+    the sampler at the largest bucket, and within 20x of it (not a uselessly loose bound)."""
+    cfg, weights = tiny
+    core = EngineCore(cfg, weights, EngineConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64,
+                                                 num_kv_pages=64), make_mesh(1, 1))
+    from jaxserve.model_runner import _dummy_arrays
+    t, s = max(core.runner.builder.buckets)
+    arrays = _dummy_arrays(t, s, core.engine_cfg.max_pages_per_seq, 64 * core.engine_cfg.page_size)
+    forward = core.runner.compiled_forward(arrays).memory_analysis().temp_size_in_bytes
+    sampler = core.runner.compiled_sampler(s, max(core.runner.history_buckets)).memory_analysis().temp_size_in_bytes
+    estimate = capacity.step_temp_bytes(cfg, t, s, 4)
+    assert max(forward, sampler) <= estimate <= 20 * max(forward, sampler), (forward, sampler, estimate)
+    assert np.isfinite(estimate)

@@ -1,0 +1,147 @@
+"""What a user of the `jaxserve` command sees: --help with every default, usage errors that name
+the subcommand and the bad flag, `jaxserve bench` without a --tokenizer, and the engine config
+`jaxserve generate` derives for its one request (its run is tested in tests/test_llm.py, beside the
+LLM it must agree with)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxserve import cli
+from jaxserve.server import commands
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import bench_serving  # noqa: E402
+
+
+def help_entries(argv: list[str], capsys: pytest.CaptureFixture) -> dict[str, str]:
+    """`jaxserve ARGV --help` -> {first option string: its help text on one line}."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*argv, "--help"])
+    assert exc.value.code == 0
+    entries: dict[str, str] = {}
+    flag = None
+    for line in capsys.readouterr().out.splitlines():
+        m = re.match(r"^  (-[-\w]+)", line)
+        if m:
+            flag = m.group(1)
+            entries[flag] = line
+        elif flag and line.startswith("    "):
+            entries[flag] += " " + line.strip()
+        else:
+            flag = None
+    return entries
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "convert", "bench"])
+def test_every_flag_of_every_subcommand_shows_its_default(command, capsys):
+    entries = help_entries([command], capsys)
+    required = {"--prompt", "--base-url", "--model"} - ({"--model"} if command != "bench" else set())
+    missing = [f for f, text in entries.items() if f not in required | {"-h"} and "(default" not in text]
+    assert entries and not missing, f"`jaxserve {command} --help` shows no default for {missing}"
+
+
+def test_help_shows_the_parsers_actual_default_values(capsys):
+    defaults = cli.build_parser().parse_args(["serve"])
+    entries = help_entries(["serve"], capsys)
+    assert f"(default: {defaults.page_size})" in entries["--page-size"]
+    assert f"(default: {defaults.port})" in entries["--port"]
+    assert "(default: True)" in entries["--enable-prefix-caching"]
+
+
+def test_defaults_read_as_the_flag_would_be_written():
+    parser = argparse.ArgumentParser(prog="p", formatter_class=cli.HelpFormatter)
+    parser.add_argument("--buckets", default=(16, 64), help="sizes")
+    parser.add_argument("--stop", action="append", default=[], help="stops")
+    parser.add_argument("--limit", default=None, help="bound")
+    parser.add_argument("--model", default=None, help="a directory (default: the embedded model)")
+    parser.add_argument("--share", default=0.5, help="100%% = all")
+    text = " ".join(parser.format_help().split())
+    assert "sizes (default: 16,64)" in text and "stops (default: none)" in text and "bound (default: none)" in text
+    assert "(default: the embedded model)" in text and "(default: None)" not in text
+    assert "100% = all (default: 0.5)" in text
+
+
+def test_help_does_not_print_an_api_key_taken_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("JAXSERVE_API_KEY", "sk-secret-value")
+    entries = help_entries(["serve"], capsys)
+    assert "sk-secret-value" not in entries["--api-key"] and "$JAXSERVE_API_KEY" in entries["--api-key"]
+
+
+@pytest.mark.parametrize("argv", [["serve", "--bogus-flag"], ["generate", "--prompt", "x", "--bogus-flag"],
+                                  ["convert", "a", "b", "--bogus-flag"]])
+def test_an_unknown_flag_prints_the_subcommands_usage_and_names_the_flag(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: jaxserve {argv[0]} "), err[:200]
+    assert f"jaxserve {argv[0]}: error: unrecognized arguments: --bogus-flag" in err
+
+
+def test_bench_help_usage_names_the_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: jaxserve bench "), out[:200]
+    assert "(default: 64)" in out  # bench's flags show their defaults too
+
+
+# ----------------------------------------------------------------------------- bench's tokenizer
+
+def test_bench_tokenizer_defaults_to_the_models_directory(tmp_path):
+    from jaxserve.default_model import MODEL_NAME, ensure_default_model
+
+    assert bench_serving.default_tokenizer(MODEL_NAME) == str(ensure_default_model())
+    assert bench_serving.default_tokenizer(str(tmp_path)) == str(tmp_path)
+
+
+def test_bench_without_a_tokenizer_for_an_unknown_model_names_the_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--base-url", "http://127.0.0.1:9", "--model", "no-such-model"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: jaxserve bench" in err and "--tokenizer" in err and "no-such-model" in err
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys, tmp_path):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        bench_serving.main(["--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer", str(tmp_path),
+                            "--plot", str(tmp_path / "plots")], prog="jaxserve bench")
+    assert exc.value.code == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- generate
+
+def cli_config(command: str, *flags: str):
+    argv = [command, *flags] + (["--prompt", "unused"] if command == "generate" else [])
+    return cli._engine_config(cli.build_parser().parse_args(argv), "jaxserve-tiny")
+
+
+def test_generate_config_holds_one_request_and_stays_within_the_limits():
+    cfg = commands.generate_engine_config(cli_config("generate"), prompt_len=5, max_tokens=64, model_max_len=4096)
+    assert (cfg.max_num_seqs, cfg.seq_buckets) == (1, (1,))
+    assert cfg.resolved_token_buckets() == (1, 8)          # decode, and the prompt rounded up to 2^k
+    assert cfg.max_model_len == 128 and cfg.num_kv_pages * cfg.page_size == 128
+    # A prompt beyond the step budget prefills in chunks of the budget.
+    big = commands.generate_engine_config(cli_config("generate", "--max-num-batched-tokens", "64"),
+                                          prompt_len=1000, max_tokens=10, model_max_len=4096)
+    assert big.resolved_token_buckets() == (1, 64) and big.max_model_len == 1024
+    # Rounding up never passes the context limits; a request that cannot fit fails before loading.
+    capped = commands.generate_engine_config(cli_config("generate", "--max-model-len", "1000"),
+                                             prompt_len=900, max_tokens=100, model_max_len=4096)
+    assert capped.max_model_len == 1000
+    assert commands.generate_engine_config(cli_config("generate"), 1000, 100, model_max_len=1100).max_model_len == 1100
+    with pytest.raises(ValueError, match="exceeds the context limit 1000"):
+        commands.generate_engine_config(cli_config("generate", "--max-model-len", "1000"), 990, 11, 4096)
