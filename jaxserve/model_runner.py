@@ -71,16 +71,12 @@ class CompileCounter:
 # and buckets starts without compiling.
 # Step inputs arrive packed in one int32 buffer (jaxserve/packing.py): one transfer per program.
 def _forward_packed(weights: Weights, kv: kv_cache.KVPages, packed: jax.Array, spec: PackSpec, cfg: ModelConfig,
-                    attention_fn: Callable[..., jax.Array], prev_ids: jax.Array, lm_head_block: int
+                    attention_fn: Callable[..., jax.Array], prev_ids: jax.Array
                     ) -> tuple[jax.Array, kv_cache.KVPages]:
-    return forward_paged(weights, cfg, kv, unpack(packed, spec), attention_fn, prev_ids, lm_head_block)
+    return forward_paged(weights, cfg, kv, unpack(packed, spec), attention_fn, prev_ids)
 
 
-_forward_step = jax.jit(_forward_packed, static_argnames=("spec", "cfg", "attention_fn", "lm_head_block"),
-                        donate_argnames=("kv",))
-# On a CPU the lm_head is most of a decode step: skip the padding rows of a sequence bucket
-# (blocks of 64 rows stay compute-bound). Accelerators run the whole bucket in one product.
-CPU_LM_HEAD_BLOCK = 64
+_forward_step = jax.jit(_forward_packed, static_argnames=("spec", "cfg", "attention_fn"), donate_argnames=("kv",))
 
 
 def _sample_and_keep(logits: jax.Array, packed: jax.Array, spec: PackSpec, vocab_size: int,
@@ -115,7 +111,6 @@ class ModelRunner:
         self.history_buckets = history_buckets(engine_cfg.max_model_len, model_cfg.vocab_size)
         self._replicated = sharding.replicated(mesh)
         self._attention = make_attention(engine_cfg.attention_backend, model_cfg, mesh)
-        self.lm_head_block = CPU_LM_HEAD_BLOCK if mesh.devices.flat[0].platform == "cpu" else 0
         self._rows_width = max(s for _, s in self.builder.buckets)  # the largest sampler row bucket
         # [rows_width] int32: the last dispatched step's sampled ids, on the device
         self._prev_ids = self._put(np.zeros(self._rows_width, np.int32))
@@ -147,7 +142,7 @@ class ModelRunner:
     def _forward_args(self, arrays: StepArrays) -> dict[str, Any]:
         packed, spec = pack(arrays)
         return dict(kv=self.kv, packed=self._put(packed), spec=spec, cfg=self.model_cfg,
-                    attention_fn=self._attention, prev_ids=self._prev_ids, lm_head_block=self.lm_head_block)
+                    attention_fn=self._attention, prev_ids=self._prev_ids)
 
     def _forward(self, arrays: StepArrays) -> tuple[jax.Array, kv_cache.KVPages]:
         return _forward_step(self.weights, **self._forward_args(arrays))

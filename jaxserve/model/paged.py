@@ -20,11 +20,10 @@ from jaxserve.model.weights import Weights
 
 
 def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arrays: Any,
-                  attention_fn: Callable[..., jax.Array], prev_ids: jax.Array,
-                  lm_head_block: int = 0) -> tuple[jax.Array, kv_cache.KVPages]:
+                  attention_fn: Callable[..., jax.Array],
+                  prev_ids: jax.Array) -> tuple[jax.Array, kv_cache.KVPages]:
     """arrays: a StepArrays of device arrays; prev_ids: [max_num_seqs] int32, the previous step's
-    sampled ids; lm_head_block > 0: the lm_head skips padding rows past the step's sequences in
-    blocks of that many rows (their logits are zeros). Returns (logits [S, Vp] float32, updated pages)."""
+    sampled ids. Returns (logits [S, Vp] float32, updated pages)."""
     scale = cfg.head_dim ** -0.5
     pending = arrays.prev_sample_row >= 0                                          # [T]
     token_ids = jnp.where(pending, prev_ids[jnp.where(pending, arrays.prev_sample_row, 0)], arrays.token_ids)
@@ -38,6 +37,5 @@ def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arra
 
     logits, layers = forward(weights, cfg, token_ids, arrays.positions, attend,
                              list(zip(kv.k, kv.v)), logits_index=arrays.logits_index,
-                             seq_lens_per_token=seq_len_per_token, num_live_rows=arrays.num_seqs[0],
-                             lm_head_block=lm_head_block)
+                             seq_lens_per_token=seq_len_per_token)
     return logits, kv_cache.KVPages(k=[k for k, _ in layers], v=[v for _, v in layers])

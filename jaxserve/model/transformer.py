@@ -57,36 +57,14 @@ def lm_head(weights: Weights, x: jax.Array) -> jax.Array:
     return jnp.einsum("...d,dv->...v", x, weights.lm_head, preferred_element_type=jnp.float32)
 
 
-def lm_head_live_rows(weights: Weights, x: jax.Array, num_live: jax.Array, block: int) -> jax.Array:
-    """x: [R, D] -> float32 logits [R, Vp], computing only the first `num_live` rows (a scalar,
-    rounded up to whole blocks of `block` rows); the other rows are zeros.
-
-    A step's rows are padded up to a declared bucket (up to 4x), and on a CPU the lm_head is most
-    of a decode step, so a loop over live blocks skips the padding's cost. Blocks of 32 rows keep
-    the product compute-bound (a smaller M re-reads the whole [D, Vp] weight per few rows)."""
-    rows, dim = x.shape
-    if rows <= block:
-        return lm_head(weights, x)
-    num_blocks = -(-rows // block)
-    xb = jnp.pad(x, ((0, num_blocks * block - rows), (0, 0))).reshape(num_blocks, block, dim)
-    vocab = weights.embed.shape[0]
-    out = jnp.zeros((num_blocks, block, vocab), jnp.float32)
-    live_blocks = jnp.minimum((num_live + block - 1) // block, num_blocks)
-    out = jax.lax.fori_loop(0, live_blocks, lambda i, acc: acc.at[i].set(lm_head(weights, xb[i])), out)
-    return out.reshape(num_blocks * block, vocab)[:rows]
-
-
 def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             attend: Attend, caches: Sequence[Any], *, logits_index: jax.Array | None = None,
-            seq_lens_per_token: jax.Array | None = None, num_live_rows: jax.Array | None = None,
-            lm_head_block: int = 0) -> tuple[jax.Array, list[Any]]:
+            seq_lens_per_token: jax.Array | None = None) -> tuple[jax.Array, list[Any]]:
     """tokens, positions: [...] int32. Returns (float32 logits, updated caches).
 
     logits_index: gather these rows of the flattened token axis before the lm_head, so a step
     computes logits only for the rows that sample ([R] -> logits [R, Vp]); None keeps every row.
     seq_lens_per_token: [...] each token's sequence length (dynamic RoPE only).
-    num_live_rows, lm_head_block: with logits_index, the lm_head runs only over the first
-    num_live_rows gathered rows, in blocks of lm_head_block (0: over every row).
     """
     x = jnp.take(weights.embed, tokens, axis=0)
     cos, sin = rope.cos_sin(cfg, positions, seq_lens_per_token)
@@ -101,6 +79,4 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
     if logits_index is not None:
         x = jnp.take(x.reshape(-1, x.shape[-1]), logits_index, axis=0)
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
-    if lm_head_block and num_live_rows is not None:
-        return lm_head_live_rows(weights, x, num_live_rows, lm_head_block), new_caches
     return lm_head(weights, x), new_caches
