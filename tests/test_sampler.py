@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sampler import (SamplingRow, SamplingTensors, history_buckets, process_logits,
+from jaxserve.sampler import (SamplingRow, SamplingTensors, argmax_rows, history_buckets, process_logits,
                               sample)
 from jaxserve.sampling_params import SamplingParams
 
@@ -319,3 +319,16 @@ def test_sample_rejects_mismatched_shapes():
         sample(jnp.zeros((R + 1, WIDTH)), t, VOCAB)
     with pytest.raises(ValueError, match="vocab_size"):
         sample(jnp.zeros((R, WIDTH)), t, WIDTH + 1)
+
+
+@pytest.mark.parametrize("width", [1, 127, 128, 300, 151_936])
+def test_argmax_rows_equals_jnp_argmax_with_ties_and_inf(width):
+    rng = np.random.default_rng(width)
+    x = rng.standard_normal((6, width)).astype(np.float32)
+    x[1] = -np.inf                                    # a fully masked row: index 0, like jnp.argmax
+    if width > 3:
+        x[2, [width // 3, width - 1]] = 100.0          # a tie: the first index wins
+        x[3, [1, width - 2]] = np.inf                  # +inf twice: the first wins
+    x[4] = 0.0                                        # all equal
+    got = np.asarray(jax.jit(argmax_rows)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=1)))
