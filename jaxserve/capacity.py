@@ -11,13 +11,15 @@ The rules, in order (each one is skipped when the user set that value):
      TPU). A CPU also admits 256 sequences, so a burst is served together instead of late
      arrivals waiting for earlier requests to finish (the lm_head costs the same per generated
      token at any batch; only the inter-token latency grows with the batch). Its step budget
-     comes from the model's FLOPs at a nominal per-core rate: a step full of prefill tokens takes
-     about CPU_STEP_SECONDS, between 512 and 2048 tokens.
+     comes from the model's FLOPs at a nominal per-core rate for the CPU's vector ISA: a step full
+     of prefill tokens takes about CPU_STEP_SECONDS, between 1024 and 2048 tokens (the floor
+     leaves prefill 3/4 of a step with 256 sequences decoding, so a burst's prompts keep moving).
   3. The KV pool: `memory_utilization` of the device memory (accelerators 0.9 of HBM; CPU 0.5 of
      the RAM available after the weights are loaded) minus what is already in use and the largest
      step's temporaries. On a CPU the pool is also capped at max_num_seqs x min(max_model_len,
-     CPU_TOKENS_PER_SEQ) tokens: RAM is shared with the rest of the host, filling a larger pool
-     slows every start, and pages beyond that only hold prefix-cache entries.
+     CPU_TOKENS_PER_SEQ) tokens and at CPU_MAX_POOL_BYTES (4 GiB, vLLM's CPU default): RAM is
+     shared with the rest of the host, filling a larger pool slows every start, and pages beyond
+     that only hold prefix-cache entries.
   4. What the pool holds bounds the rest: max_model_len shrinks to the pool (when it was not
      given), and max_num_seqs to one sequence per MIN_TOKENS_PER_SEQ pooled tokens.
   5. Buckets: token buckets 16 x 4^k below half the budget, then half the budget and the budget;
@@ -38,11 +40,16 @@ GIB = 1024 ** 3
 DEFAULT_MEMORY_UTILIZATION = {"cpu": 0.5, "gpu": 0.9, "tpu": 0.9}
 ACCELERATOR_MAX_NUM_SEQS = 256
 GPU_LARGE_MEMORY = 70 * GIB        # vLLM gives H100/H200-class cards a larger step budget
-CPU_FLOPS_PER_CORE = 40e9          # nominal f32 rate of one core (AVX2/AVX-512 FMA, XLA's matmuls)
+# Nominal f32 matmul rate of one core under XLA, by vector ISA (machine.py reads the CPU flags):
+# deliberately below the measured rates (~200 GFLOP/s per AVX-512 core on the benchmark EPYC) so a
+# busy or throttled host still meets the step time. A fixed figure per ISA keeps the defaults, and
+# so the compiled programs and their cache keys, the same at every start.
+CPU_FLOPS_PER_CORE = {"avx512": 100e9, "avx2": 50e9, "other": 20e9}
 CPU_STEP_SECONDS = 0.5             # target time of a step full of prefill tokens on a CPU
-CPU_MIN_BATCHED_TOKENS = 512       # with every sequence decoding, half the floor is left for prefill
+CPU_MIN_BATCHED_TOKENS = 1024      # with 256 sequences decoding, 3/4 of a step still prefills
 CPU_MAX_BATCHED_TOKENS = 2048
 CPU_MAX_NUM_SEQS = 256             # a burst of 256 is admitted at once (see docs/BENCHMARKS.md)
+CPU_MAX_POOL_BYTES = 4 * GIB       # the KV pool of a CPU engine: filling it is part of every start
 CPU_TOKENS_PER_SEQ = 2048         # CPU pool cap: this many tokens for each of max_num_seqs sequences
 MIN_TOKENS_PER_SEQ = 256           # the pool must give every running sequence at least this much
 
@@ -56,6 +63,7 @@ class MachineInfo:
     memory_per_device: int        # bytes: accelerator memory limit; CPU: RAM available now
     memory_in_use: int = 0        # bytes already taken on a device (weights included); 0 on CPU
     cpu_cores: int = 1
+    cpu_isa: str = "other"        # "avx512" | "avx2" | "other": the nominal per-core rate (CPU_FLOPS_PER_CORE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +127,11 @@ def _pow2_floor(x: float) -> int:
 def _platform_limits(model: ModelConfig, machine: MachineInfo) -> tuple[int, int, str]:
     """(max_num_seqs, max_num_batched_tokens, why) before the pool bounds them."""
     if machine.platform == "cpu":
-        step_flops = CPU_FLOPS_PER_CORE * machine.cpu_cores * CPU_STEP_SECONDS
+        rate = CPU_FLOPS_PER_CORE[machine.cpu_isa]
+        step_flops = rate * machine.cpu_cores * CPU_STEP_SECONDS
         tokens = _pow2_floor(step_flops / flops_per_token(model))
         tokens = min(CPU_MAX_BATCHED_TOKENS, max(CPU_MIN_BATCHED_TOKENS, tokens))
-        why = (f"CPU: {machine.cpu_cores} cores x {CPU_FLOPS_PER_CORE / 1e9:.0f} GFLOP/s nominal x "
+        why = (f"CPU: {machine.cpu_cores} cores x {rate / 1e9:.0f} GFLOP/s nominal ({machine.cpu_isa}) x "
                f"{CPU_STEP_SECONDS}s per full step at {flops_per_token(model) / 1e6:.1f} MFLOP/token")
         return CPU_MAX_NUM_SEQS, tokens, why
     if machine.platform == "gpu":
@@ -164,10 +173,11 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
                     f"in use - {_gib(temp)} step temporaries")
         if machine.platform == "cpu":
             per_seq = min(max_model_len, CPU_TOKENS_PER_SEQ)
-            cap = -(-max_num_seqs * per_seq // engine.page_size)
+            cap = min(-(-max_num_seqs * per_seq // engine.page_size), CPU_MAX_POOL_BYTES // page_bytes)
             if num_pages > cap:
                 num_pages = cap
-                pool_why += f", capped at {max_num_seqs} sequences x {per_seq} tokens"
+                pool_why += (f", capped at {max_num_seqs} sequences x {per_seq} tokens and "
+                             f"{_gib(CPU_MAX_POOL_BYTES)}")
     if num_pages < 1:
         raise ValueError(f"no KV page fits: {_gib(machine.memory_per_device)} x {utilization:.2f} leaves "
                          f"{_gib(int(utilization * machine.memory_per_device) - machine.memory_in_use - temp)} "

@@ -20,7 +20,7 @@ def machine_info(mesh: Mesh) -> MachineInfo:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     platform = "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
     if platform == "cpu":
-        return MachineInfo("cpu", cpu_model_name(), available_ram(), 0, cores)
+        return MachineInfo("cpu", cpu_model_name(), available_ram(), 0, cores, cpu_isa())
     stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:
         raise ValueError(f"{device.device_kind} does not report its memory; set --num-kv-pages or "
@@ -37,6 +37,20 @@ def available_ram() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_isa() -> str:
+    """The widest f32 vector ISA the CPU reports: "avx512", "avx2" or "other"."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags: set[str] = set()
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "other"
 
 
 def cpu_model_name() -> str:

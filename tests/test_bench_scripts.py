@@ -864,3 +864,19 @@ def test_jaxserve_runs_with_its_defaults_and_workloads_are_named():
         bvp.parse_args(["--smoke", "--workload", "bench-small-burst64"])
     with pytest.raises(ValueError, match="llama-server"):
         bvp.parse_args(["--systems", "vllm"])
+
+
+def test_bench_bursts_configs_and_report():
+    import bench_bursts
+
+    assert bench_bursts.parse_config("defaults=") == ("defaults", "")
+    assert bench_bursts.parse_config("old = --max-num-seqs 16 --x=1") == ("old", "--max-num-seqs 16 --x=1")
+    with pytest.raises(Exception, match="NAME=FLAGS"):
+        bench_bursts.parse_config("--max-num-seqs 16")
+    rows = [{"config": "defaults", "burst": 64, "tok_s": 700.04, "ttft_p50": 600.4, "ttft_p99": 1200.6,
+             "tpot_p50": 50.04, "e2e_p99": 9000.2, "failed": 0}]
+    meta = {"model": "bench-small", "prompts": "30-500", "outputs": "16-128", "repeats": 2,
+            "configs": [("defaults", "")], "machine": "cpu X", "command": "python scripts/bench_bursts.py"}
+    text = bench_bursts.markdown(rows, meta)
+    assert "| defaults | 64 | 700.0 | 600 | 1201 | 50.0 | 9000 | 0 |" in text
+    assert "defaults: `(none)`" in text and "medians of 2 interleaved repeats" in text
