@@ -70,7 +70,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences that run at once (default: 256, "
                    "lowered to one per 256 tokens of KV pool)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default: "
-                   "CPU 512-2048 from the model's FLOPs per token, GPU 2048 or 8192 from 70 GiB, TPU 1024)")
+                   "CPU 1024-2048 from the model's FLOPs per token, GPU 2048 or 8192 from 70 GiB, TPU 1024)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages (default: from "
                    "--kv-cache-memory, else --memory-utilization)")
@@ -79,7 +79,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-utilization", type=_fraction, default=None, help="share of device memory the "
                    "engine may use; the KV pool gets what weights and step temporaries leave (default: 0.9 on "
                    "GPU/TPU, 0.5 of the available RAM on CPU, where the pool is also capped at 2048 tokens "
-                   "per sequence)")
+                   "per sequence and 4 GiB)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share KV pages of identical prompt prefixes between requests")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,

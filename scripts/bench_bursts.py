@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shlex
 import sys
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": a.model_preset, "prompts": f"{a.prompt_len_min}-{a.prompt_len_max}",
             "outputs": f"{a.output_len_min}-{a.output_len_max}", "repeats": a.repeats, "configs": configs,
             "machine": ", ".join(f"{k} {v}" for k, v in info.items()),
-            "command": "python scripts/bench_bursts.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "command": "python scripts/bench_bursts.py " + shlex.join(argv if argv is not None else sys.argv[1:])}
     body = markdown(rows, meta)
     print(body)
     if not a.no_docs:
