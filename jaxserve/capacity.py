@@ -19,7 +19,8 @@ The rules, in order (each one is skipped when the user set that value):
      step's temporaries. On a CPU the pool is also capped at max_num_seqs x min(max_model_len,
      CPU_TOKENS_PER_SEQ) tokens and at CPU_MAX_POOL_BYTES (4 GiB, vLLM's CPU default): RAM is
      shared with the rest of the host, filling a larger pool slows every start, and pages beyond
-     that only hold prefix-cache entries.
+     that only hold prefix-cache entries. A pool sized from free memory is rounded down to 5
+     leading bits, so a restart gets the same pool, the same programs and persistent-cache hits.
   4. What the pool holds bounds the rest: max_model_len shrinks to the pool (when it was not
      given), and max_num_seqs to one sequence per MIN_TOKENS_PER_SEQ pooled tokens.
   5. Buckets: token buckets 16 x 4^k below half the budget, then half the budget and the budget;
@@ -120,6 +121,14 @@ def step_temp_bytes(cfg: ModelConfig, tokens: int, rows: int, itemsize: int, mod
     return activations + vocab_arrays + decode_chunks + prefill_tile
 
 
+def stable_page_count(pages: int) -> int:
+    """`pages` rounded down to its 5 leading bits (at most 1/16 less). The pool's size is a shape of
+    every compiled step, so a size read off free memory must not change between starts when free
+    memory moves a little, or each restart would miss the persistent compilation cache."""
+    drop = max(0, pages.bit_length() - 5)
+    return pages >> drop << drop
+
+
 def _pow2_floor(x: float) -> int:
     return 1 << max(0, int(math.floor(math.log2(max(1.0, x)))))
 
@@ -167,7 +176,7 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
         num_pages, pool_why = engine.kv_cache_memory // page_bytes, f"set by kv_cache_memory ({_gib(engine.kv_cache_memory)})"
     else:
         budget = int(utilization * machine.memory_per_device) - machine.memory_in_use - temp
-        num_pages = max(0, budget) // page_bytes
+        num_pages = stable_page_count(max(0, budget) // page_bytes)
         where = "of available RAM" if machine.platform == "cpu" else f"of {_gib(machine.memory_per_device)}"
         pool_why = (f"{utilization:.2f} {where} ({_gib(machine.memory_per_device)}) - {_gib(machine.memory_in_use)} "
                     f"in use - {_gib(temp)} step temporaries")
