@@ -4,8 +4,8 @@ Pure Python (no jax): the capacity planner counts programs with it, step_inputs 
 model runner compiles exactly these shapes at warm-up.
 
 Buckets grow by BUCKET_FACTOR (4) so the number of compiled programs stays logarithmic in the
-limits, and the two largest token buckets are half the budget and the budget, so a busy server's
-full steps pad by at most 2x.
+limits, and the two largest token and sequence buckets are half the limit and the limit, so a busy
+server's steps pad by at most 2x.
 """
 
 from __future__ import annotations
@@ -44,15 +44,12 @@ def token_buckets(cfg: Any) -> tuple[int, ...]:
 
 
 def seq_buckets(cfg: Any) -> tuple[int, ...]:
-    """Declared sequence-row counts: the config's list (plus max_num_seqs), or the geometric ladder."""
+    """Declared sequence-row counts: the config's list (plus max_num_seqs), or the geometric ladder
+    (half of max_num_seqs is a bucket: a decode step's lm_head and attention grow with its rows)."""
     top = cfg.max_num_seqs
     if cfg.seq_buckets:
         return tuple(sorted({b for b in cfg.seq_buckets if b < top} | {top}))
-    out, b = {top}, min(MIN_SEQ_BUCKET, top)
-    while b < top:
-        out.add(b)
-        b *= BUCKET_FACTOR
-    return tuple(sorted(out))
+    return geometric_buckets(min(MIN_SEQ_BUCKET, top), top)
 
 
 def declared_buckets(cfg: Any) -> list[tuple[int, int]]:

@@ -49,7 +49,7 @@ def test_cpu_defaults_follow_the_model_flops():
     assert e.num_kv_pages == 256 * 2048 // 16
     assert cap.kv_pool_bytes == e.num_kv_pages * 16 * 4096
     assert e.resolved_token_buckets() == (16, 64, 256, 1024, 2048)
-    assert e.resolved_seq_buckets() == (4, 16, 64, 256)
+    assert e.resolved_seq_buckets() == (4, 16, 64, 128, 256)
     assert cap.num_programs == capacity.count_programs(e, TINY)
     text = "\n".join(cap.lines)
     for needle in ("KV pool: 32768 pages", "max_num_seqs 256", "max_num_batched_tokens 2048", "forward programs",

@@ -59,7 +59,7 @@ def test_missing_config_file(tmp_path):
 def test_engine_config_validation_and_buckets():
     cfg = EngineConfig(max_num_batched_tokens=256, max_num_seqs=16)
     assert cfg.resolved_token_buckets() == (16, 64, 128, 256)  # 16 x 4^k below half the budget
-    assert cfg.resolved_seq_buckets() == (4, 16)
+    assert cfg.resolved_seq_buckets() == (4, 8, 16)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
         EngineConfig(max_num_batched_tokens=8, max_num_seqs=16)
     with pytest.raises(ValueError, match="scheduling_policy"):
