@@ -23,9 +23,9 @@ The rules, in order (each one is skipped when the user set that value):
      leading bits, so a restart gets the same pool, the same programs and persistent-cache hits.
   4. What the pool holds bounds the rest: max_model_len shrinks to the pool (when it was not
      given), and max_num_seqs to one sequence per MIN_TOKENS_PER_SEQ pooled tokens.
-  5. Buckets: token buckets 16 x 4^k below half the budget, then half the budget and the budget;
-     sequence buckets 4 x 4^k below max_num_seqs, then max_num_seqs. Padding is bounded (a step
-     pads to at most 4x its tokens below half the budget, 2x above) and so is the number of
+  5. Buckets (buckets.py): token buckets 16 x 4^k below half the budget, then half the budget and
+     the budget; sequence buckets likewise from 4 up to max_num_seqs. Padding is bounded (a step
+     pads to at most 4x its tokens or rows, 2x in the top two buckets) and so is the number of
      compiled programs (logarithmic in both limits).
 """
 

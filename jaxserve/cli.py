@@ -95,8 +95,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="declared step sizes in tokens, comma-separated, or 'auto' (default: auto = 16 x 4^k "
                    "below half the budget, then half the budget and the budget)")
     g.add_argument("--seq-buckets", type=_buckets, default=None,
-                   help="declared sequence-count buckets, or 'auto' (default: auto = 4 x 4^k, then "
-                   "--max-num-seqs)")
+                   help="declared sequence-count buckets, or 'auto' (default: auto = 4 x 4^k below half "
+                   "--max-num-seqs, then half of it and --max-num-seqs)")
     g.add_argument("--attention-backend", choices=("auto", "reference", "tpu", "gpu"), default="auto",
                    help="attention implementation; auto picks the platform's kernel")
     g.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache directory; "
