@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+DISPLAY_NAME = "jaxserve-tiny (embedded default)"  # how logs and progress bars name it
+
 MODEL_NAME = "jaxserve-tiny"
 # Bump when anything written below changes, so stale cache directories are rebuilt.
 FORMAT_VERSION = "1"

@@ -10,15 +10,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from tqdm import tqdm
 
 from checkpoints import load_model, resolve_model_dir
 from jaxserve.config import EngineConfig, ModelConfig, normalize_dtype_name
+from jaxserve.default_model import DISPLAY_NAME
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine import EngineCore
 from jaxserve.request import FinishReason, Request
@@ -74,6 +77,32 @@ def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
     return core, tokenizer, model_dir
 
 
+def load_with_progress(model: str | Path | None, engine_cfg: EngineConfig, show_progress: bool = True
+                       ) -> tuple[EngineCore, Tokenizer, Path]:
+    """load_engine_core with progress bars on stderr: one while the model loads, one tick per
+    compiled program while every bucket warms up (minutes on large models)."""
+    name = str(model) if model is not None else DISPLAY_NAME
+    with tqdm(total=1, desc=f"loading {name}", file=sys.stderr, disable=not show_progress) as bar:
+        core, tokenizer, model_dir = load_engine_core(model, engine_cfg, warmup=False)
+        bar.update(1)
+    compile_bar: tqdm | None = None
+
+    def progress(done: int, total: int, what: str) -> None:
+        nonlocal compile_bar
+        if compile_bar is None:
+            compile_bar = tqdm(total=total, desc="compiling", unit="program", file=sys.stderr,
+                               disable=not show_progress)
+        compile_bar.set_postfix_str(what, refresh=False)
+        compile_bar.update(done - compile_bar.n)
+
+    try:
+        core.runner.warmup(progress)
+    finally:
+        if compile_bar is not None:
+            compile_bar.close()
+    return core, tokenizer, model_dir
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     index: int
@@ -98,12 +127,12 @@ class LLM:
                  **engine_kwargs: Any) -> None:
         """engine_kwargs are EngineConfig fields. show_progress: the server's progress bars on stderr
         while the model loads and every bucket compiles (minutes on large models)."""
-        from jaxserve.server.launch import model_loader  # the server's bars; imports uvicorn, so lazily
+        from jaxserve.quiet import quiet_startup
 
+        quiet_startup()
         model_id = str(model) if model is not None else "jaxserve-tiny"
         self.engine_cfg = EngineConfig(model_id=model_id, **engine_kwargs)
-        load = model_loader(str(model) if model is not None else None, self.engine_cfg, show_progress)
-        self.core, self.tokenizer, self.model_dir = load()
+        self.core, self.tokenizer, self.model_dir = load_with_progress(model, self.engine_cfg, show_progress)
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None

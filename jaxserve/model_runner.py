@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve import kv_cache, sharding
+from jaxserve.buckets import history_buckets
 from jaxserve.capacity import plan_capacity
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.machine import machine_info
@@ -34,7 +35,7 @@ from jaxserve.model.attention import make_attention
 from jaxserve.model.paged import forward_paged
 from jaxserve.model.weights import Weights
 from jaxserve.packing import PackSpec, pack, unpack
-from jaxserve.sampler import SamplerOutput, SamplingTensors, history_buckets, sample
+from jaxserve.sampler import SamplerOutput, SamplingTensors, sample
 from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs
 
 logger = logging.getLogger("jaxserve.model_runner")

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.buckets import history_bucket, history_buckets  # noqa: F401  (history_buckets: re-exported)
+from jaxserve.buckets import history_bucket
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 NUM_TOP_LOGPROBS = MAX_LOGPROBS     # width of SamplerOutput.top_ids / top_logprobs

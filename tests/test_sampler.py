@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sampler import (SamplingRow, SamplingTensors, argmax_rows, history_buckets, process_logits,
+from jaxserve.buckets import history_buckets
+from jaxserve.sampler import (SamplingRow, SamplingTensors, argmax_rows, process_logits,
                               sample)
 from jaxserve.sampling_params import SamplingParams
 

@@ -13,16 +13,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
-import sys
 import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import uvicorn
-from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
+from jaxserve.default_model import DISPLAY_NAME
 from jaxserve.quiet import quiet_startup
 from jaxserve.server.app import build_app
 from jaxserve.server.state import Loader, ServerConfig, ServerState
@@ -32,37 +31,16 @@ logger = logging.getLogger("jaxserve.server")
 # After the drain: how long uvicorn waits for responses still open before cancelling them. The
 # drain itself (up to shutdown_timeout) already waited for every request that could finish.
 FINAL_GRACE_SECONDS = 1.0
-_DEFAULT_MODEL = "jaxserve-tiny (embedded default)"
 
 
 def model_loader(model: str | None, engine_cfg: EngineConfig, show_progress: bool = True) -> Loader:
-    """A Loader: resolve + load weights and tokenizer (one bar), then compile every bucket (a bar
-    with one tick per program)."""
+    """A Loader: the model loads and every bucket compiles, with progress bars (llm.load_with_progress)."""
 
     def load() -> tuple[Any, Any, Path]:
         quiet_startup()  # before transformers is imported and jax picks its backend
-        from jaxserve.llm import load_engine_core
+        from jaxserve.llm import load_with_progress
 
-        name = model or _DEFAULT_MODEL
-        with tqdm(total=1, desc=f"loading {name}", file=sys.stderr, disable=not show_progress) as bar:
-            core, tokenizer, model_dir = load_engine_core(model, engine_cfg, warmup=False)
-            bar.update(1)
-        compile_bar: tqdm | None = None
-
-        def progress(done: int, total: int, what: str) -> None:
-            nonlocal compile_bar
-            if compile_bar is None:
-                compile_bar = tqdm(total=total, desc="compiling", unit="program", file=sys.stderr,
-                                   disable=not show_progress)
-            compile_bar.set_postfix_str(what, refresh=False)
-            compile_bar.update(done - compile_bar.n)
-
-        try:
-            core.runner.warmup(progress)
-        finally:
-            if compile_bar is not None:
-                compile_bar.close()
-        return core, tokenizer, model_dir
+        return load_with_progress(model, engine_cfg, show_progress)
 
     return load
 
@@ -147,7 +125,7 @@ def serve(model: str | None, engine_cfg: EngineConfig, server_cfg: ServerConfig,
     app = build_app(model_loader(model, engine_cfg, show_progress), cfg)
     uv_cfg = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=FINAL_GRACE_SECONDS, access_log=access_log)
-    server = GracefulServer(uv_cfg, app.state.server, shutdown_timeout, model or _DEFAULT_MODEL)
+    server = GracefulServer(uv_cfg, app.state.server, shutdown_timeout, model or DISPLAY_NAME)
     holder["server"] = server
     server.run()
     return 1 if failed else 0  # the loader thread has logged why
