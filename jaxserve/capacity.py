@@ -12,7 +12,7 @@ The rules, in order (each one is skipped when the user set that value):
      arrivals waiting for earlier requests to finish (the lm_head costs the same per generated
      token at any batch; only the inter-token latency grows with the batch). Its step budget
      comes from the model's FLOPs at a nominal per-core rate for the CPU's vector ISA: a step full
-     of prefill tokens takes about CPU_STEP_SECONDS, between 1024 and 2048 tokens (the floor
+     of prefill tokens takes about CPU_STEP_SECONDS (1 s), between 1024 and 2048 tokens (the floor
      leaves prefill 3/4 of a step with 256 sequences decoding, so a burst's prompts keep moving).
   3. The KV pool: `memory_utilization` of the device memory (accelerators 0.9 of HBM; CPU 0.5 of
      the RAM available after the weights are loaded) minus what is already in use and the largest
@@ -46,7 +46,7 @@ GPU_LARGE_MEMORY = 70 * GIB        # vLLM gives H100/H200-class cards a larger s
 # busy or throttled host still meets the step time. A fixed figure per ISA keeps the defaults, and
 # so the compiled programs and their cache keys, the same at every start.
 CPU_FLOPS_PER_CORE = {"avx512": 100e9, "avx2": 50e9, "other": 20e9}
-CPU_STEP_SECONDS = 0.5             # target time of a step full of prefill tokens on a CPU
+CPU_STEP_SECONDS = 1.0             # target time of a step full of prefill tokens on a CPU (see BENCHMARKS)
 CPU_MIN_BATCHED_TOKENS = 1024      # with 256 sequences decoding, 3/4 of a step still prefills
 CPU_MAX_BATCHED_TOKENS = 2048
 CPU_MAX_NUM_SEQS = 256             # a burst of 256 is admitted at once (see docs/BENCHMARKS.md)

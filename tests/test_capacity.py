@@ -40,7 +40,7 @@ def test_flops_and_kv_arithmetic_by_hand():
 def test_cpu_defaults_follow_the_model_flops():
     cap = plan_capacity(EngineConfig(), TINY, CPU_2, itemsize=4)
     e = cap.engine
-    step_flops = 2 * 50e9 * 0.5                        # 2 AVX2 cores x nominal 50 GFLOP/s x 0.5 s
+    step_flops = 2 * 50e9 * 1.0                        # 2 AVX2 cores x nominal 50 GFLOP/s x 1 s
     assert step_flops / 6_291_456 > 2048               # -> the CPU ceiling of 2048 tokens
     assert e.max_num_batched_tokens == 2048
     assert e.max_num_seqs == 256
@@ -62,7 +62,7 @@ def test_a_bigger_model_gets_a_smaller_cpu_step():
                                num_kv_heads=4, head_dim=64)  # the bench-105m preset
     assert capacity.flops_per_token(m105) == 2 * 8 * (512 * 64 * 24 + 3 * 512 * 1536) == 50_331_648
     e = plan_capacity(EngineConfig(), m105, CPU_2, itemsize=4).engine
-    assert e.max_num_batched_tokens == 1024            # 50 GFLOP / 50.3 MFLOP = 994 -> the floor of 1024
+    assert e.max_num_batched_tokens == 1024            # 100 GFLOP / 50.3 MFLOP = 1988 -> 1024
     avx512 = dataclasses.replace(CPU_2, cpu_isa="avx512", cpu_cores=4)
     assert plan_capacity(EngineConfig(), m105, avx512, itemsize=4).engine.max_num_batched_tokens == 2048
     # 16 KiB of KV per token: the 4 GiB cap holds 262,144 tokens, below 256 x 2048
@@ -70,7 +70,7 @@ def test_a_bigger_model_gets_a_smaller_cpu_step():
     big = dataclasses.replace(TINY, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
                               num_kv_heads=8, head_dim=128)  # Qwen3-0.6B's shape
     e = plan_capacity(EngineConfig(), big, CPU_2, itemsize=4).engine
-    assert e.max_num_batched_tokens == 1024            # the floor: 50 GFLOP is 55 of its tokens
+    assert e.max_num_batched_tokens == 1024            # the floor: 100 GFLOP is 111 of its tokens
     # 229 KiB of KV per token: 10 GiB (half the RAM) minus temporaries holds fewer than 256 x 256 tokens
     pool_tokens = e.num_kv_pages * 16
     assert pool_tokens < 256 * 256 and e.max_num_seqs == pool_tokens // 256
