@@ -39,7 +39,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 
 GIB = 1024 ** 3
 DEFAULT_MEMORY_UTILIZATION = {"cpu": 0.5, "gpu": 0.9, "tpu": 0.9}
-ACCELERATOR_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_SEQS = 256         # every platform: a burst of 256 is admitted at once (BENCHMARKS)
 GPU_LARGE_MEMORY = 70 * GIB        # vLLM gives H100/H200-class cards a larger step budget
 # Nominal f32 matmul rate of one core under XLA, by vector ISA (machine.py reads the CPU flags):
 # deliberately below the measured rates (~200 GFLOP/s per AVX-512 core on the benchmark EPYC) so a
@@ -49,7 +49,6 @@ CPU_FLOPS_PER_CORE = {"avx512": 100e9, "avx2": 50e9, "other": 20e9}
 CPU_STEP_SECONDS = 1.0             # target time of a step full of prefill tokens on a CPU (see BENCHMARKS)
 CPU_MIN_BATCHED_TOKENS = 1024      # with 256 sequences decoding, 3/4 of a step still prefills
 CPU_MAX_BATCHED_TOKENS = 2048
-CPU_MAX_NUM_SEQS = 256             # a burst of 256 is admitted at once (see docs/BENCHMARKS.md)
 CPU_MAX_POOL_BYTES = 4 * GIB       # the KV pool of a CPU engine: filling it is part of every start
 CPU_TOKENS_PER_SEQ = 2048         # CPU pool cap: this many tokens for each of max_num_seqs sequences
 MIN_TOKENS_PER_SEQ = 256           # the pool must give every running sequence at least this much
@@ -142,18 +141,18 @@ def _platform_limits(model: ModelConfig, machine: MachineInfo) -> tuple[int, int
         tokens = min(CPU_MAX_BATCHED_TOKENS, max(CPU_MIN_BATCHED_TOKENS, tokens))
         why = (f"CPU: {machine.cpu_cores} cores x {rate / 1e9:.0f} GFLOP/s nominal ({machine.cpu_isa}) x "
                f"{CPU_STEP_SECONDS}s per full step at {flops_per_token(model) / 1e6:.1f} MFLOP/token")
-        return CPU_MAX_NUM_SEQS, tokens, why
+        return DEFAULT_MAX_NUM_SEQS, tokens, why
     if machine.platform == "gpu":
         tokens = 8192 if machine.memory_per_device >= GPU_LARGE_MEMORY else 2048
-        return ACCELERATOR_MAX_NUM_SEQS, tokens, f"GPU {machine.device_kind} (vLLM's server defaults)"
-    return ACCELERATOR_MAX_NUM_SEQS, 1024, f"TPU {machine.device_kind} (vLLM-TPU's server defaults)"
+        return DEFAULT_MAX_NUM_SEQS, tokens, f"GPU {machine.device_kind} (vLLM's server defaults)"
+    return DEFAULT_MAX_NUM_SEQS, 1024, f"TPU {machine.device_kind} (vLLM-TPU's server defaults)"
 
 
 def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo, itemsize: int,
                   model_axis: int = 1) -> Capacity:
     """Resolves every unset field of `engine` (see the module docstring). Raises ValueError when
     the settings cannot fit, naming the setting and the bytes."""
-    lines = []
+    adjustments = []  # limits lowered to what the pool holds
     context = model_context(model)
     max_model_len = engine.max_model_len or context
     if max_model_len > context and model.rope.rope_type != "dynamic":  # dynamic NTK rescales to any length
@@ -174,9 +173,16 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
         num_pages, pool_why = engine.num_kv_pages, "set by num_kv_pages"
     elif engine.kv_cache_memory is not None:
         num_pages, pool_why = engine.kv_cache_memory // page_bytes, f"set by kv_cache_memory ({_gib(engine.kv_cache_memory)})"
+        if num_pages < 1:
+            raise ValueError(f"--kv-cache-memory {engine.kv_cache_memory} bytes holds no KV page "
+                             f"({page_bytes} bytes each)")
     else:
         budget = int(utilization * machine.memory_per_device) - machine.memory_in_use - temp
         num_pages = stable_page_count(max(0, budget) // page_bytes)
+        if num_pages < 1:
+            raise ValueError(f"no KV page fits: {_gib(machine.memory_per_device)} x {utilization:.2f} leaves "
+                             f"{_gib(budget)} after weights and temporaries; each page needs {page_bytes} bytes. "
+                             f"Raise --memory-utilization, lower --max-num-batched-tokens, or use more devices")
         where = "of available RAM" if machine.platform == "cpu" else f"of {_gib(machine.memory_per_device)}"
         pool_why = (f"{utilization:.2f} {where} ({_gib(machine.memory_per_device)}) - {_gib(machine.memory_in_use)} "
                     f"in use - {_gib(temp)} step temporaries")
@@ -187,23 +193,18 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
                 num_pages = cap
                 pool_why += (f", capped at {max_num_seqs} sequences x {per_seq} tokens and "
                              f"{_gib(CPU_MAX_POOL_BYTES)}")
-    if num_pages < 1:
-        raise ValueError(f"no KV page fits: {_gib(machine.memory_per_device)} x {utilization:.2f} leaves "
-                         f"{_gib(int(utilization * machine.memory_per_device) - machine.memory_in_use - temp)} "
-                         f"after weights and temporaries; each page needs {page_bytes} bytes. Raise "
-                         f"--memory-utilization, lower --max-num-batched-tokens, or use more devices")
     pool_tokens = num_pages * engine.page_size
     if pool_tokens < max_model_len:
         if engine.max_model_len is not None:
             raise ValueError(f"the KV pool holds {pool_tokens} tokens ({num_pages} pages, {pool_why}), less "
                              f"than max_model_len {max_model_len}: lower --max-model-len or give the pool "
                              f"{(-(-max_model_len // engine.page_size) - num_pages) * page_bytes} more bytes")
-        lines.append(f"max_model_len lowered from {max_model_len} to the pool's {pool_tokens} tokens")
+        adjustments.append(f"max_model_len lowered from {max_model_len} to the pool's {pool_tokens} tokens")
         max_model_len = pool_tokens
     if engine.max_num_seqs is None:
         bound = max(1, pool_tokens // MIN_TOKENS_PER_SEQ)
         if bound < max_num_seqs:
-            lines.append(f"max_num_seqs lowered from {max_num_seqs} to {bound}: the pool holds "
+            adjustments.append(f"max_num_seqs lowered from {max_num_seqs} to {bound}: the pool holds "
                          f"{MIN_TOKENS_PER_SEQ} tokens for each")
             max_num_seqs = bound
     resolved = dataclasses.replace(engine, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -224,7 +225,7 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
         f" -> {len(buckets)} forward programs; a step of n >= {buckets[0][0]} tokens pads to <= "
         f"{_padding_bound(resolved):.1f} n; "
         f"{num_programs} programs in all",
-        *lines,
+        *adjustments,
     ]
     return Capacity(resolved, pool_bytes, temp, num_programs, tuple(lines))
 

@@ -270,14 +270,6 @@ class EngineConfig:
             raise ValueError("EngineConfig.max_num_batched_tokens must be >= max_num_seqs "
                              "(every running sequence needs one decode token per step)")
 
-    def require_resolved(self) -> "EngineConfig":
-        """Self, if every size is set (the engine resolves them with capacity.plan_capacity)."""
-        unset = [n for n in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_pages")
-                 if getattr(self, n) is None]
-        if unset:
-            raise ValueError(f"EngineConfig fields {unset} are unset; resolve them with capacity.plan_capacity")
-        return self
-
     @property
     def max_pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.page_size)

@@ -32,9 +32,12 @@ from jaxserve.tokenizer import Tokenizer
 logger = logging.getLogger("jaxserve")
 
 
-def default_model_dir() -> Path:
-    from jaxserve.default_model import ensure_default_model
-    return ensure_default_model()
+def model_dir_of(model: str | Path | None) -> Path:
+    """A model name -> its local directory (None: the embedded default, written on first use)."""
+    if model is None:
+        from jaxserve.default_model import ensure_default_model
+        return ensure_default_model()
+    return resolve_model_dir(model)
 
 
 def resolve_dtype(requested: str | None, checkpoint_dtype: str) -> Any:
@@ -61,29 +64,30 @@ def enable_compilation_cache(directory: str | None) -> Path | None:
 
 
 def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
-                     progress: Callable[[int, int, str], None] | None = None, warmup: bool = True
-                     ) -> tuple[EngineCore, Tokenizer, Path]:
-    """Model dir (None: the embedded default) -> (warmed-up EngineCore, tokenizer, resolved dir)."""
-    model_dir = resolve_model_dir(model) if model is not None else default_model_dir()
+                     progress: Callable[[int, int, str], None] | None = None, warmup: bool = True,
+                     tokenizer: Tokenizer | None = None) -> tuple[EngineCore, Tokenizer, Path]:
+    """Model dir (None: the embedded default) -> (warmed-up EngineCore, tokenizer, resolved dir).
+    `tokenizer`: the model's tokenizer when the caller has loaded it already."""
+    model_dir = model_dir_of(model)
     enable_compilation_cache(engine_cfg.compilation_cache_dir)
     dtype = resolve_dtype(engine_cfg.dtype, ModelConfig.from_hf(model_dir).dtype)
     mesh = make_mesh(*engine_cfg.mesh_shape)
     model_cfg, weights = load_model(model_dir, mesh, dtype)
     # The KV pool is filled asynchronously on the device: the tokenizer loads meanwhile.
     core = EngineCore(model_cfg, weights, engine_cfg, mesh, dtype)
-    tokenizer = Tokenizer.from_pretrained(model_dir)
+    tokenizer = tokenizer or Tokenizer.from_pretrained(model_dir)
     if warmup:
         core.runner.warmup(progress)
     return core, tokenizer, model_dir
 
 
-def load_with_progress(model: str | Path | None, engine_cfg: EngineConfig, show_progress: bool = True
-                       ) -> tuple[EngineCore, Tokenizer, Path]:
+def load_with_progress(model: str | Path | None, engine_cfg: EngineConfig, show_progress: bool = True,
+                       tokenizer: Tokenizer | None = None) -> tuple[EngineCore, Tokenizer, Path]:
     """load_engine_core with progress bars on stderr: one while the model loads, one tick per
     compiled program while every bucket warms up (minutes on large models)."""
     name = str(model) if model is not None else DISPLAY_NAME
     with tqdm(total=1, desc=f"loading {name}", file=sys.stderr, disable=not show_progress) as bar:
-        core, tokenizer, model_dir = load_engine_core(model, engine_cfg, warmup=False)
+        core, tokenizer, model_dir = load_engine_core(model, engine_cfg, warmup=False, tokenizer=tokenizer)
         bar.update(1)
     compile_bar: tqdm | None = None
 

@@ -31,32 +31,31 @@ def machine_info(mesh: Mesh) -> MachineInfo:
 
 def available_ram() -> int:
     """MemAvailable from /proc/meminfo (bytes); elsewhere the physical pages the OS reports free."""
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+    value = _proc_field("/proc/meminfo", "MemAvailable")
+    if value is not None:
+        return int(value.split()[0]) * 1024
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def cpu_isa() -> str:
     """The widest f32 vector ISA the CPU reports: "avx512", "avx2" or "other"."""
-    cpuinfo = Path("/proc/cpuinfo")
-    flags: set[str] = set()
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+    flags = set((_proc_field("/proc/cpuinfo", "flags") or "").split())
     if "avx512f" in flags:
         return "avx512"
     return "avx2" if {"avx2", "fma"} <= flags else "other"
 
 
 def cpu_model_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "cpu"
+    return _proc_field("/proc/cpuinfo", "model name") or "cpu"
+
+
+def _proc_field(path: str, key: str) -> str | None:
+    """The value of the first `key: value` line of a /proc file (None where there is none)."""
+    proc = Path(path)
+    if not proc.is_file():
+        return None
+    for line in proc.read_text().splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip() == key:
+            return value.strip()
+    return None

@@ -115,6 +115,8 @@ def test_no_page_fits_names_the_settings():
     full = MachineInfo("gpu", "NVIDIA L4", memory_per_device=22 * GIB, memory_in_use=21 * GIB)
     with pytest.raises(ValueError, match="memory-utilization"):
         plan_capacity(EngineConfig(), TINY, full, itemsize=2)
+    with pytest.raises(ValueError, match="--kv-cache-memory 1000 bytes holds no KV page"):
+        plan_capacity(EngineConfig(kv_cache_memory=1000), TINY, CPU_2, itemsize=4)
     with pytest.raises(ValueError, match="exceeds the model's context 4096"):
         plan_capacity(EngineConfig(max_model_len=8192), TINY, CPU_2, itemsize=4)
     dynamic = dataclasses.replace(TINY, rope=dataclasses.replace(TINY.rope, rope_type="dynamic", factor=2.0))
@@ -142,6 +144,7 @@ def test_bucket_ladder_bounds_padding_and_programs():
 def test_machine_info_on_this_cpu():
     info = machine_info(make_mesh(1, 1))
     assert info.platform == "cpu" and info.memory_per_device > 2 ** 28 and info.cpu_cores >= 1
+    assert info.cpu_isa in capacity.CPU_FLOPS_PER_CORE and info.device_kind
 
 
 @pytest.fixture(scope="module")

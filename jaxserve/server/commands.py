@@ -29,22 +29,22 @@ def generate(model: str | None, engine_cfg: EngineConfig, prompt: str, params: S
     programs a server declares. Returns the finish reason. Raises ValueError for invalid parameters
     or prompts."""
     from jaxserve.engine import Engine
+    from jaxserve.llm import load_with_progress, model_dir_of
     from jaxserve.quiet import quiet_startup
-    from jaxserve.server.launch import model_loader
     from jaxserve.server.streaming import RequestRun
 
     if params.n != 1:
         raise ValueError("generate prints one sample: n must be 1")
     # The prompt is tokenized before the model loads: its length sizes the compiled programs.
-    quiet_startup()  # model_loader does this too, but the tokenizer imports transformers first here
-    model_dir = _model_dir(model)
+    quiet_startup()  # before the tokenizer imports transformers
+    model_dir = model_dir_of(model)
     tokenizer = Tokenizer.from_pretrained(model_dir)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     if not ids:
         raise ValueError("the prompt encodes to zero tokens")
     one_request_cfg = generate_engine_config(engine_cfg, len(ids), params.max_tokens,
                                              ModelConfig.from_hf(model_dir).max_position_embeddings)
-    core, _, _ = model_loader(model, one_request_cfg, show_progress)()
+    core, _, _ = load_with_progress(model, one_request_cfg, show_progress, tokenizer=tokenizer)
 
     async def run() -> str:
         engine = Engine(core)
@@ -92,13 +92,6 @@ def generate_engine_config(cfg: EngineConfig, prompt_len: int, max_tokens: int |
 
 def _power_of_two_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-
-
-def _model_dir(model: str | None) -> Path:
-    from checkpoints import resolve_model_dir
-    from jaxserve.llm import default_model_dir
-
-    return resolve_model_dir(model) if model is not None else default_model_dir()
 
 
 def convert(src: str, dst: str, dtype: str | None = None) -> Path:
