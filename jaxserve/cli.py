@@ -1,4 +1,4 @@
-"""`jaxserve serve | generate | convert | bench`: argparse -> EngineConfig / ServerConfig -> server/.
+"""`jaxserve serve | generate | plan | convert | bench`: argparse -> EngineConfig / ServerConfig -> server/.
 
 Engine sizes left unset (None) are chosen from the machine and the model when the engine starts
 (jaxserve/capacity.py); an explicit flag always wins.
@@ -65,6 +65,29 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF model directory or cached hub id (default: the embedded "
                    "jaxserve-tiny model, random weights)")
+    _size_args(g)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share KV pages of identical prompt prefixes between requests")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan and dispatch step n+1 before step n's tokens are fetched")
+    g.add_argument("--tensor-parallel-size", type=int, default=None, help="shorthand for --mesh 1xN "
+                   "(default: from --mesh)")
+    g.add_argument("--mesh", type=_mesh, default=None, help="device mesh DATAxMODEL (default: 1x1)")
+    g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, else the checkpoint's), float32, "
+                   "bfloat16, float16")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="waiting order: arrival, or the request's priority (lower first) then arrival")
+    g.add_argument("--attention-backend", choices=("auto", "reference", "tpu", "gpu"), default="auto",
+                   help="attention implementation; auto picks the platform's kernel")
+    g.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache directory; "
+                   "'' turns it off (default: $XDG_CACHE_HOME or ~/.cache, then jaxserve/xla)")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="queued sequences beyond which new requests get 429")
+    g.add_argument("--seed", type=int, default=0, help="seeds the random seeds of requests that bring none")
+
+
+def _size_args(g: argparse._ArgumentGroup) -> None:
+    """The engine sizes `serve`, `generate` and `plan` share."""
     g.add_argument("--max-model-len", type=int, default=None, help="longest context (prompt + output) in "
                    "tokens (default: the model's max_position_embeddings, lowered to what the KV pool holds)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences that run at once (default: 256, "
@@ -80,30 +103,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "engine may use; the KV pool gets what weights and step temporaries leave (default: 0.9 on "
                    "GPU/TPU, 0.5 of the available RAM on CPU, where the pool is also capped at 2048 tokens "
                    "per sequence and 4 GiB)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share KV pages of identical prompt prefixes between requests")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="plan and dispatch step n+1 before step n's tokens are fetched")
-    g.add_argument("--tensor-parallel-size", type=int, default=None, help="shorthand for --mesh 1xN "
-                   "(default: from --mesh)")
-    g.add_argument("--mesh", type=_mesh, default=None, help="device mesh DATAxMODEL (default: 1x1)")
-    g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, else the checkpoint's), float32, "
-                   "bfloat16, float16")
-    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                   help="waiting order: arrival, or the request's priority (lower first) then arrival")
     g.add_argument("--token-buckets", type=_buckets, default=None,
                    help="declared step sizes in tokens, comma-separated, or 'auto' (default: auto = 16 x 4^k "
                    "below half the budget, then half the budget and the budget)")
     g.add_argument("--seq-buckets", type=_buckets, default=None,
                    help="declared sequence-count buckets, or 'auto' (default: auto = 4 x 4^k below half "
                    "--max-num-seqs, then half of it and --max-num-seqs)")
-    g.add_argument("--attention-backend", choices=("auto", "reference", "tpu", "gpu"), default="auto",
-                   help="attention implementation; auto picks the platform's kernel")
-    g.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache directory; "
-                   "'' turns it off (default: $XDG_CACHE_HOME or ~/.cache, then jaxserve/xla)")
-    g.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="queued sequences beyond which new requests get 429")
-    g.add_argument("--seed", type=int, default=0, help="seeds the random seeds of requests that bring none")
 
 
 def _engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  # noqa: F821
@@ -116,16 +121,19 @@ def _engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  
                              f"{args.mesh[0]}x{args.mesh[1]}")
         mesh = (mesh[0], args.tensor_parallel_size)
     return EngineConfig(
-        model_id=model_id, page_size=args.page_size, num_kv_pages=args.num_kv_pages,
-        kv_cache_memory=args.kv_cache_memory, memory_utilization=args.memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+        model_id=model_id, **_size_fields(args), enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
         dtype=None if args.dtype == "auto" else args.dtype, mesh_shape=mesh,
-        attention_backend=args.attention_backend, token_buckets=args.token_buckets, seq_buckets=args.seq_buckets,
-        compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,
+        attention_backend=args.attention_backend, compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,
         seed=args.seed)
+
+
+def _size_fields(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the flags of _size_args."""
+    return dict(page_size=args.page_size, num_kv_pages=args.num_kv_pages, kv_cache_memory=args.kv_cache_memory,
+                memory_utilization=args.memory_utilization, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -211,6 +219,33 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst", help="output directory")
     c.add_argument("--dtype", default=None, help="weight dtype to store (default: the checkpoint's dtype)")
 
+    pl = command("plan", "will a model fit a TPU/GPU/CPU target, and how fast can it decode? Compiles the "
+                 "serving programs for the target (no device needed) and reports memory, collectives and a "
+                 "roofline estimate (docs/PLANNING.md)")
+    pl.add_argument("model", help="HF model directory, cached hub id, or a config.json")
+    g = pl.add_argument_group("target")
+    g.add_argument("--target", required=True, help="tpu-v5e:2x4, tpu-v6e:2x2, tpu-v5p:2x2x1, gpu-h100:1x1x8, "
+                   "gpu-h200:1x1x1, cpu, cpu:N (TPU: chip grid; GPU: slices x hosts x GPUs)")
+    g.add_argument("--layout", default="tp", help="logical-axis rules: tp (serving's default) or "
+                   "tp-vocab-replicated (jaxserve/layouts.py)")
+    g.add_argument("--tp", type=int, default=None, help="devices per replica (default: every device of the "
+                   "target; the rest run data-parallel replicas)")
+    g.add_argument("--dtype", default="auto", help="auto (float32 on cpu, else the checkpoint's), float32, "
+                   "bfloat16, float16")
+    g = pl.add_argument_group("engine")
+    _size_args(g)
+    g = pl.add_argument_group("report")
+    g.add_argument("--context", type=int, default=None, help="tokens in cache per decoding sequence for the "
+                   "step estimates (default: max_model_len)")
+    g.add_argument("--batch", type=int, default=None, help="sequences per replica for --sweep's ranking "
+                   "(default 64) and the reported collectives (default: max_num_seqs)")
+    g.add_argument("--sweep", action="store_true", help="plan every layout that divides the model on the "
+                   "target and rank them by decode tokens/s per chip")
+    g.add_argument("--all-programs", action="store_true", help="compile every declared program, not only "
+                   "the ones the figures need")
+    g.add_argument("--json", default=None, help="write the plan as JSON to this file ('-': stdout, no table)")
+    g.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
+
     # Only listed here for `jaxserve --help`: main() hands everything after `bench` to the script.
     b = command("bench", "load-test an OpenAI-compatible server (scripts/bench_serving.py; see "
                 "`jaxserve bench --help`)")
@@ -228,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return _dispatch(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
+        # ImportError: a compiler plugin for a `plan` target is not installed (the message names the extra)
         print(f"jaxserve {args.command}: error: {e}", file=sys.stderr)
         return 2
 
@@ -254,6 +290,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         generate(args.model, _engine_config(args, args.model or "jaxserve-tiny"), args.prompt, params,
                  chat=args.chat, show_progress=not args.no_progress)
         return 0
+    if args.command == "plan":
+        from jaxserve.config import EngineConfig
+        from jaxserve.plan_report import run
+
+        return run(args, EngineConfig(**_size_fields(args)))
     from jaxserve.server.commands import convert
 
     print(f"wrote {convert(args.src, args.dst, args.dtype)}")

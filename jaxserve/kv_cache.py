@@ -37,8 +37,8 @@ class KVPages:
         return self.k[0].shape[1]
 
 
-def kv_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
-    rules = sharding.rules_for(logical_dims(cfg), mesh)
+def kv_sharding(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES) -> NamedSharding:
+    rules = sharding.rules_for(logical_dims(cfg), mesh, rules)
     return sharding.named(mesh, *KV_AXES, rules=rules)
 
 

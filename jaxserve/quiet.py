@@ -3,6 +3,10 @@ drops one known message and nothing else, so real warnings and errors still reac
 
 - jax logs "Unable to initialize backend 'tpu': ... libtpu.so ..." on every machine without libtpu
   (every CPU and GPU machine). A TPU machine whose libtpu is installed but fails keeps the message.
+- Where libtpu is installed but the machine has no TPU (the test extra brings it, for compile-only
+  TPU targets), libtpu asks the cloud metadata server for its slice and prints warnings about
+  TPU_ACCELERATOR_TYPE and worker hostnames on stderr; `quiet_libtpu` tells it there is nothing to
+  ask (environment variables; set only on a machine without TPU device files).
 - transformers warns "PyTorch was not found. Models won't be available ..." when imported without
   torch. jaxserve uses transformers for tokenizers only, so without torch nothing is missing.
 - uvicorn logs an access line for every /health and /metrics poll (clients and load balancers poll
@@ -15,7 +19,9 @@ them twice is harmless (`Logger.addFilter` keeps one copy).
 
 from __future__ import annotations
 
+import glob
 import logging
+import os
 from typing import Callable
 
 QUIET_PATHS = frozenset({"/health", "/metrics"})
@@ -62,5 +68,16 @@ _FILTERS: dict[str, logging.Filter] = {
 def quiet_startup() -> None:
     """Installs the filters. Call before transformers is imported (it warns at import time) and
     before jax initialises its backends (the first array or device query)."""
+    quiet_libtpu()
     for name, log_filter in _FILTERS.items():
         logging.getLogger(name).addFilter(log_filter)
+
+
+def quiet_libtpu() -> None:
+    """On a machine without TPU chips: libtpu skips the metadata query (and its warnings) and its
+    one-process lock file (compile-only use owns no chips, so processes need not exclude each other)."""
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return
+    for key, value in {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0",
+                       "TPU_ACCELERATOR_TYPE": "v6e-4", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}.items():
+        os.environ.setdefault(key, value)

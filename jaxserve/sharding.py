@@ -22,6 +22,8 @@ MODEL_AXIS = "model"
 
 # logical axis -> mesh axis (None = replicated). The tensor-parallel layout: attention heads, MLP
 # columns/rows and the vocabulary are split over `model`; a batch of sequences over `data`.
+Rules = Sequence[tuple[str, str | None]]
+
 DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("batch", DATA_AXIS),
     ("vocab", MODEL_AXIS),

@@ -44,6 +44,18 @@ def get_attention_backend(name: str) -> AttentionFn:
     raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
 
 
+def attention_for_platform(platform: str) -> AttentionFn:
+    """The attention a platform serves with: "tpu" -> Mosaic kernel, "gpu"/"cuda"/"rocm" -> Triton
+    kernel (reference where it does not take the shape), anything else -> the tiled jnp path.
+    Chosen from the devices' platform, not the process's default backend, so a program lowered
+    for a compile-only TPU or GPU from a CPU process gets the kernel that target would run."""
+    if platform == "tpu":
+        return ragged_paged_attention_tpu
+    if platform in ("gpu", "cuda", "rocm"):
+        return _gpu_or_reference
+    return ragged_paged_attention_tiled
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, H, D]
     k_pages: jax.Array,  # [P, ps, KVH, D]
@@ -60,18 +72,14 @@ def ragged_paged_attention(
     """Ragged paged attention on the default backend: tpu -> Mosaic kernel, gpu -> Triton kernel,
     anything else -> the tiled jnp path (same numbers as the reference; decodes batched, prefill
     chunks in tiles of their own rows)."""
-    backend = jax.default_backend()
-    args = (q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if backend == "tpu":
-        return ragged_paged_attention_tpu(*args, **kwargs)
-    if backend == "gpu":
-        return _gpu_or_reference(*args, **kwargs)
-    return ragged_paged_attention_tiled(*args, **kwargs)
+    return attention_for_platform(jax.default_backend())(
+        q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 __all__ = [
     "BACKENDS",
+    "attention_for_platform",
     "get_attention_backend",
     "ragged_paged_attention",
     "ragged_paged_attention_gpu",

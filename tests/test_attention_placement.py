@@ -11,7 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxserve.config import ModelConfig
 from jaxserve.model.attention import make_attention
 from jaxserve.sharding import make_mesh
-from kernels_pallas import ragged_paged_attention_reference
+from kernels_pallas import (ragged_paged_attention_gpu, ragged_paged_attention_reference,
+                            ragged_paged_attention_tiled)
 
 CFG = ModelConfig.from_hf(dict(architectures=["LlamaForCausalLM"], vocab_size=128, hidden_size=64,
                                intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
@@ -44,7 +45,10 @@ def test_gpu_kernel_shard_mapped_over_kv_heads_matches_reference():
     np.testing.assert_allclose(np.asarray(out)[:7], np.asarray(ref)[:7], rtol=1e-5, atol=1e-5)
 
 
-def test_reference_and_replicated_kv_heads_stay_unwrapped():
+def test_reference_stays_unwrapped_and_replicated_kv_heads_take_the_jnp_path(caplog):
     assert make_attention("reference", CFG, make_mesh(1, 4)) is ragged_paged_attention_reference
-    # 8-way model axis > 4 KV heads: KV replicated, the kernel is not shard-mapped.
-    assert not getattr(make_attention("gpu", CFG, make_mesh(1, 8), interpret=True), "__name__", "").startswith("shard_map_")
+    # 8-way model axis > 4 KV heads: KV replicated; a kernel cannot be partitioned by XLA nor
+    # shard-mapped over whole KV heads, so the step takes the jnp path, which XLA partitions.
+    assert make_attention("gpu", CFG, make_mesh(1, 8), interpret=True) is ragged_paged_attention_tiled
+    assert "4 KV heads do not split over the 8-way model axis" in caplog.text
+    assert make_attention("gpu", CFG, make_mesh(1, 1), interpret=True).func is ragged_paged_attention_gpu

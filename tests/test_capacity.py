@@ -173,11 +173,12 @@ def test_temporaries_estimate_covers_xla_memory_analysis(tiny):
     cfg, weights = tiny
     core = EngineCore(cfg, weights, EngineConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64,
                                                  num_kv_pages=64), make_mesh(1, 1))
-    from jaxserve.model_runner import _dummy_arrays
+    from jaxserve.buckets import history_buckets
+    from jaxserve.programs import Program
     t, s = max(core.runner.builder.buckets)
-    arrays = _dummy_arrays(t, s, core.engine_cfg.max_pages_per_seq, 64 * core.engine_cfg.page_size)
-    forward = core.runner.compiled_forward(arrays).memory_analysis().temp_size_in_bytes
-    sampler = core.runner.compiled_sampler(s, max(core.runner.history_buckets)).memory_analysis().temp_size_in_bytes
+    widest = max(history_buckets(core.engine_cfg.max_model_len, cfg.vocab_size))
+    forward = core.runner.compile(Program("forward", t, s)).memory_analysis().temp_size_in_bytes
+    sampler = core.runner.compile(Program("sample", rows=s, history=widest)).memory_analysis().temp_size_in_bytes
     estimate = capacity.step_temp_bytes(cfg, t, s, 4)
     assert max(forward, sampler) <= estimate <= 20 * max(forward, sampler), (forward, sampler, estimate)
     assert np.isfinite(estimate)

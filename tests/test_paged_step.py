@@ -110,9 +110,8 @@ def test_kv_pages_are_donated_and_never_copied(qwen3):
 
     def step_memory(num_pages: int):
         c = make_core(cfg, weights, num_kv_pages=num_pages)
-        from jaxserve.model_runner import _dummy_arrays
-        arrays = _dummy_arrays(8, 8, c.engine_cfg.max_pages_per_seq, num_pages * c.engine_cfg.page_size)
-        return c.runner.compiled_forward(arrays).memory_analysis(), capacity.kv_bytes_per_token(cfg, 4) * 4 * num_pages
+        from jaxserve.programs import Program
+        return c.runner.compile(Program("forward", 8, 8)).memory_analysis(), capacity.kv_bytes_per_token(cfg, 4) * 4 * num_pages
 
     small, small_pool = step_memory(32)
     large, large_pool = step_memory(1024)

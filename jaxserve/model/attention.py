@@ -5,11 +5,13 @@ XLA's partitioner, which would gather its sharded inputs onto every device; so w
 splits the KV heads, the kernel is wrapped in `shard_map` over that axis: each device runs it on
 its own q heads and the KV heads they read (GQA groups never straddle devices because both head
 counts are split by the same factor). When the KV heads are replicated (model axis larger than
-the KV head count) the kernel runs unwrapped and XLA replicates the work.
+the KV head count, or not dividing it) a kernel cannot be placed that way, and the step runs the
+tiled jnp path instead, which XLA partitions (a warning says so).
 """
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Callable
 
@@ -21,24 +23,34 @@ from jaxserve.config import ModelConfig
 from jaxserve.model.weights import logical_dims
 
 AttentionFn = Callable[..., jax.Array]
+logger = logging.getLogger("jaxserve.attention")
 
 
-def make_attention(backend: str, cfg: ModelConfig, mesh: Mesh, **kernel_kwargs) -> AttentionFn:
+def make_attention(backend: str, cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES,
+                   **kernel_kwargs) -> AttentionFn:
     """The ragged paged attention function the step calls, placed for `mesh`.
 
     kernel_kwargs go to the Pallas kernel (e.g. `interpret=True` to run a GPU kernel on CPU).
     """
-    from kernels_pallas import JNP_BACKENDS, get_attention_backend
+    from kernels_pallas import (JNP_BACKENDS, attention_for_platform, get_attention_backend,
+                                ragged_paged_attention_tiled)
 
-    if backend == "auto" and jax.default_backend() not in ("tpu", "gpu"):
-        backend = "tiled"  # resolve now, so the jnp path is recognised below
-    fn = get_attention_backend(backend)
+    # "auto" follows the mesh's devices (a compile-only TPU mesh gets the TPU kernel in a CPU process)
+    fn = attention_for_platform(mesh.devices.flat[0].platform) if backend == "auto" else get_attention_backend(backend)
     if kernel_kwargs:
         fn = partial(fn, **kernel_kwargs)
-    rules = sharding.rules_for(logical_dims(cfg), mesh)
+    rules = sharding.rules_for(logical_dims(cfg), mesh, rules)
     kv_axis = rules.get("kv_heads")
-    if fn in JNP_BACKENDS or kv_axis is None or rules.get("q_heads") != kv_axis:
+    if fn in JNP_BACKENDS or mesh.size == 1:
         return fn
+    if kv_axis is None or rules.get("q_heads") != kv_axis:
+        # A Pallas kernel cannot be partitioned by XLA, and split q heads over whole (replicated) KV
+        # heads would need each device to slice its KV head out of the pool every step. The jnp
+        # path partitions like any XLA program: same numbers, slower than the kernel.
+        logger.warning("%d KV heads do not split over the %d-way model axis: attention runs the jnp path, "
+                       "not the %s kernel", cfg.num_kv_heads, mesh.shape[sharding.MODEL_AXIS],
+                       getattr(fn, "__name__", backend))
+        return ragged_paged_attention_tiled
     return _shard_over_heads(fn, mesh, kv_axis)
 
 

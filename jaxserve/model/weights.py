@@ -118,9 +118,10 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, ParamSpec)
 
 
-def shardings(abstract_weights: Weights, cfg: ModelConfig, mesh: Mesh) -> Weights:
-    """NamedSharding for every leaf, from its logical axes and the mesh."""
-    rules = sharding.rules_for(logical_dims(cfg), mesh)
+def shardings(abstract_weights: Weights, cfg: ModelConfig, mesh: Mesh,
+              rules: sharding.Rules = sharding.DEFAULT_RULES) -> Weights:
+    """NamedSharding for every leaf, from its logical axes, the rules and the mesh."""
+    rules = sharding.rules_for(logical_dims(cfg), mesh, rules)
     return jax.tree.map(lambda s: sharding.named(mesh, *s.axes, rules=rules), abstract_weights, is_leaf=_is_spec)
 
 

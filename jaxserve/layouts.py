@@ -1,0 +1,86 @@
+"""Sharding layouts as data: how one replica's devices split the model, and how many replicas a
+target holds. A layout is a name, the logical-axis rules (sharding.py) and a tensor-parallel size;
+the devices of a target that one replica does not use serve more replicas (data parallelism:
+independent engines, as `--data-parallel-size` will run them). A new layout is one more entry in
+`RULE_SETS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve import sharding
+from jaxserve.config import ModelConfig
+
+MODEL = sharding.MODEL_AXIS
+
+# name -> logical-axis rules. "tp" is the serving default (sharding.DEFAULT_RULES).
+RULE_SETS: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "tp": sharding.DEFAULT_RULES,
+    # the embedding/lm_head whole on every device: no vocab all-gather, more weight bytes per device
+    "tp-vocab-replicated": tuple((k, None if k == "vocab" else v) for k, v in sharding.DEFAULT_RULES),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    rules_name: str     # a key of RULE_SETS
+    tp: int             # devices of one replica (the model axis)
+    replicas: int       # data-parallel replicas on the target
+
+    @property
+    def rules(self) -> tuple[tuple[str, str | None], ...]:
+        return RULE_SETS[self.rules_name]
+
+    @property
+    def name(self) -> str:
+        return f"{self.rules_name} dp={self.replicas} tp={self.tp}"
+
+
+def make_layout(rules_name: str, num_devices: int, tp: int | None = None) -> Layout:
+    """`tp` devices per replica (default: every device of the target in one replica)."""
+    if rules_name not in RULE_SETS:
+        raise ValueError(f"unknown layout {rules_name!r}; known: {', '.join(RULE_SETS)}")
+    tp = num_devices if tp is None else tp
+    if tp < 1 or num_devices % tp:
+        raise ValueError(f"tensor-parallel size {tp} does not divide the target's {num_devices} devices")
+    return Layout(rules_name, tp, num_devices // tp)
+
+
+def check_divides(layout: Layout, cfg: ModelConfig) -> list[str]:
+    """Raises ValueError naming the dimension a layout cannot split; returns notes on dimensions it
+    leaves whole (KV heads fewer than the TP size are replicated on every device)."""
+    tp = layout.tp
+    if tp == 1:
+        return []
+    rules = dict(layout.rules)
+    dims = {"q_heads": ("query heads (num_attention_heads)", cfg.num_heads),
+            "mlp": ("MLP width (intermediate_size)", cfg.intermediate_size),
+            "vocab": (f"padded vocabulary (vocab_size {cfg.vocab_size} padded)", cfg.padded_vocab_size)}
+    for logical, (what, size) in dims.items():
+        if rules.get(logical) == MODEL and size % tp:
+            raise ValueError(f"layout {layout.name}: TP={tp} does not divide the {size} {what}; "
+                             f"choose a TP size that divides {size}")
+    notes = []
+    if rules.get("kv_heads") == MODEL and cfg.num_kv_heads % tp:
+        notes.append(f"{cfg.num_kv_heads} KV heads do not split {tp} ways: every device holds all of them "
+                     f"(KV pool and K/V projections replicated)")
+    return notes
+
+
+def candidate_layouts(cfg: ModelConfig, num_devices: int) -> list[Layout]:
+    """Every layout of RULE_SETS x TP size (a divisor of the device count) that divides the model."""
+    out = []
+    for name in RULE_SETS:
+        for tp in range(1, num_devices + 1):
+            if num_devices % tp:
+                continue
+            layout = make_layout(name, num_devices, tp)
+            if name != "tp" and tp == 1:
+                continue  # with one device per replica every rule set is the same layout
+            try:
+                check_divides(layout, cfg)
+            except ValueError:
+                continue
+            out.append(layout)
+    return out

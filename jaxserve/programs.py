@@ -1,0 +1,153 @@
+"""The programs a model runner serves with, jitted once per process, and their abstract signatures.
+
+Three jitted functions (module level, so runners of the same model config share compiled programs:
+the cache key is the static config plus the input shapes and shardings):
+  forward_step (bucket T x S): embed -> layers over the donated KV pages -> logits of the S sample rows
+  sample_step  (bucket S x H): penalties/temperature/top-k/top-p/min-p -> token ids, logprobs
+  copy_step: copy-on-write page copies (prefix caching)
+
+`serving_programs(engine_cfg, model_cfg)` lists every program warm-up compiles; `lower_program`
+lowers one of them from shapes alone (`ShapeDtypeStruct`s derived from `weights.abstract(cfg)` and
+the KV pool's declaration) for any mesh, real or compile-only (targets.py): no weights, no device
+memory. `jaxserve plan` compiles them for a TPU or GPU it does not have.
+
+Step inputs arrive packed in one int32 buffer (packing.py): one transfer per program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxserve import kv_cache, sharding
+from jaxserve.buckets import declared_buckets, history_buckets
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.model import weights as weights_mod
+from jaxserve.model.paged import forward_paged
+from jaxserve.model.weights import Weights
+from jaxserve.packing import PackSpec, pack, unpack
+from jaxserve.sampler import SamplerOutput, SamplingTensors, sample
+from jaxserve.step_inputs import StepArrays
+
+
+def _forward_packed(weights: Weights, kv: kv_cache.KVPages, packed: jax.Array, spec: PackSpec, cfg: ModelConfig,
+                    attention_fn: Callable[..., jax.Array], prev_ids: jax.Array
+                    ) -> tuple[jax.Array, kv_cache.KVPages]:
+    return forward_paged(weights, cfg, kv, unpack(packed, spec), attention_fn, prev_ids)
+
+
+forward_step = jax.jit(_forward_packed, static_argnames=("spec", "cfg", "attention_fn"), donate_argnames=("kv",))
+
+
+def _sample_and_keep(logits: jax.Array, packed: jax.Array, spec: PackSpec, vocab_size: int,
+                     width: int) -> tuple[SamplerOutput, jax.Array]:
+    """sample(), plus its token ids padded to [width] for the next step's forward (prev_ids)."""
+    out = sample(logits, unpack(packed, spec), vocab_size)
+    return out, jnp.pad(out.token_ids, (0, width - out.token_ids.shape[0]))
+
+
+sample_step = jax.jit(_sample_and_keep, static_argnames=("spec", "vocab_size", "width"))
+copy_step = jax.jit(kv_cache.copy_pages, donate_argnums=(0,))
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program of the serving set."""
+
+    kind: str          # "forward" | "sample" | "copy"
+    tokens: int = 0    # forward: T
+    rows: int = 0      # forward / sample: S
+    history: int = 0   # sample: H (width of the penalty / bias table)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "forward":
+            return f"forward T={self.tokens} S={self.rows}"
+        if self.kind == "sample":
+            return f"sample S={self.rows} H={self.history}"
+        return "page copy"
+
+
+def serving_programs(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> list[Program]:
+    """Every program warm-up compiles, in warm-up order (engine_cfg resolved: capacity.py)."""
+    buckets = declared_buckets(engine_cfg)
+    rows = sorted({s for _, s in buckets})
+    hist = history_buckets(engine_cfg.max_model_len, model_cfg.vocab_size)
+    return ([Program("forward", t, s) for t, s in buckets]
+            + [Program("sample", rows=s, history=h) for s in rows for h in hist]
+            + [Program("copy")])
+
+
+def rows_width(engine_cfg: EngineConfig) -> int:
+    """Length of the device buffer of last-step sampled ids: the largest sequence bucket."""
+    return max(s for _, s in declared_buckets(engine_cfg))
+
+
+def dummy_arrays(t: int, s: int, max_pages: int, pad_slot: int) -> StepArrays:
+    """A bucket-shaped step that writes nothing (every slot is padding) and has no live sequence."""
+    z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    return StepArrays(z(t), z(t), z(t), np.full(t, pad_slot, np.int32), z(s + 1), z(s), z(s, max_pages),
+                      z(1), z(s), np.full(t, -1, np.int32))
+
+
+def dummy_sampling(s: int, h: int) -> SamplingTensors:
+    base = SamplingTensors.from_rows([], s, 1)
+    return base._replace(table_ids=np.full((s, h), -1, np.int32), table_output_counts=np.zeros((s, h), np.int32),
+                         table_seen=np.zeros((s, h), bool), table_bias=np.zeros((s, h), np.float32))
+
+
+def copy_width(engine_cfg: EngineConfig) -> int:
+    """Page copies one step may carry (one per sequence)."""
+    return engine_cfg.max_num_seqs
+
+
+def abstract_weights(model_cfg: ModelConfig, dtype: Any, mesh: Mesh,
+                     rules: sharding.Rules = sharding.DEFAULT_RULES) -> Weights:
+    """The weight pytree as ShapeDtypeStructs placed on `mesh` (no memory)."""
+    specs = weights_mod.abstract(model_cfg, dtype)
+    shards = weights_mod.shardings(specs, model_cfg, mesh, rules)
+    return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype), sharding=s), specs, shards,
+                        is_leaf=lambda x: isinstance(x, weights_mod.ParamSpec))
+
+
+def abstract_kv(model_cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, mesh: Mesh,
+                rules: sharding.Rules = sharding.DEFAULT_RULES) -> kv_cache.KVPages:
+    shape = (num_pages, page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+    page = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=kv_cache.kv_sharding(model_cfg, mesh, rules))
+    return kv_cache.KVPages(k=[page] * model_cfg.num_layers, v=[page] * model_cfg.num_layers)
+
+
+def lower_program(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, dtype: Any,
+                  attention_fn: Callable[..., jax.Array], rules: sharding.Rules = sharding.DEFAULT_RULES
+                  ) -> jax.stages.Lowered:
+    """Lowers `program` for `mesh` from shapes alone, with the attention function serving would use
+    there (model/attention.make_attention) and the same `rules`. The sampler's logits come
+    vocab-split as the forward leaves them."""
+    replicated = sharding.replicated(mesh)
+
+    def host(tree: Any) -> tuple[jax.ShapeDtypeStruct, PackSpec]:
+        buf, spec = pack(tree)
+        return jax.ShapeDtypeStruct(buf.shape, jnp.int32, sharding=replicated), spec
+
+    num_pages, page_size = engine_cfg.num_kv_pages, engine_cfg.page_size
+    kv = abstract_kv(model_cfg, num_pages, page_size, dtype, mesh, rules)
+    if program.kind == "forward":
+        packed, spec = host(dummy_arrays(program.tokens, program.rows, engine_cfg.max_pages_per_seq,
+                                         num_pages * page_size))
+        prev_ids = jax.ShapeDtypeStruct((rows_width(engine_cfg),), jnp.int32, sharding=replicated)
+        return forward_step.lower(abstract_weights(model_cfg, dtype, mesh, rules), kv=kv, packed=packed, spec=spec,
+                                  cfg=model_cfg, attention_fn=attention_fn, prev_ids=prev_ids)
+    if program.kind == "sample":
+        packed, spec = host(dummy_sampling(program.rows, program.history))
+        resolved = sharding.rules_for(weights_mod.logical_dims(model_cfg), mesh, rules)
+        logits = jax.ShapeDtypeStruct((program.rows, model_cfg.padded_vocab_size), jnp.float32,
+                                      sharding=NamedSharding(mesh, sharding.spec(None, "vocab", rules=resolved)))
+        return sample_step.lower(logits, packed, spec=spec, vocab_size=model_cfg.vocab_size,
+                                 width=rows_width(engine_cfg))
+    index = jax.ShapeDtypeStruct((copy_width(engine_cfg),), jnp.int32, sharding=replicated)
+    return copy_step.lower(kv, index, index)

@@ -1,0 +1,160 @@
+"""`jaxserve plan` (plan.py): memory figures checked against what the engine allocates on a CPU,
+fit / no-fit against hand arithmetic on compile-only TPUs, collectives read off compiled HLO,
+the sweep, and the command's output and errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import pytest
+
+from jaxserve import cli
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine import EngineCore
+from jaxserve.layouts import make_layout
+from jaxserve.model.weights import init_random
+from jaxserve.plan import collectives_in, plan_deployment, sweep
+from jaxserve.programs import Program
+from jaxserve.sharding import make_mesh
+from jaxserve.targets import parse_target
+
+GIB = 2**30
+
+
+def _config(**kw) -> ModelConfig:
+    raw = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+           "max_position_embeddings": 256, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+    return ModelConfig.from_hf({**raw, **kw})
+
+
+def _bytes(tree) -> int:
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def test_cpu_plan_matches_the_bytes_the_engine_allocates():
+    """Weights, KV pool and the largest program's temporaries: the planner (shapes only) against
+    the arrays a real engine holds and what XLA compiled for it, within 5%."""
+    cfg = _config()
+    engine_cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64)  # pool and context from the machine
+    plan = plan_deployment(cfg, parse_target("cpu"), make_layout("tp", 1), engine_cfg, "float32")
+    core = EngineCore(cfg, init_random(cfg), engine_cfg, make_mesh(1, 1))
+    weights, pool = _bytes(core.runner.weights), _bytes(core.runner.kv)
+    assert plan.weight_bytes == pytest.approx(weights, rel=0.05)
+    assert plan.kv_pool_bytes == pytest.approx(pool, rel=0.05)
+    assert plan.settings["num_kv_pages"] == core.engine_cfg.num_kv_pages
+    largest = max(p for p in core.runner.builder.buckets)
+    temp = core.runner.compile(Program("forward", *largest)).memory_analysis().temp_size_in_bytes
+    assert plan.temp_bytes >= temp and plan.temp_bytes == pytest.approx(temp, rel=0.05) or plan.temp_bytes < 2**20
+    assert plan.fits and plan.programs_compiled == 3
+
+
+# Hand arithmetic for the fit cases: a Llama-shaped model, 4 layers at 70B-class widths, bf16.
+BIG = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+           num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096,
+           tie_word_embeddings=False, torch_dtype="bfloat16")
+D, F, L, V, KV = 8192, 28672, 4, 128256, 8 * 128
+PARAMS = L * (2 * D * D + 2 * D * KV + 3 * D * F + 2 * D) + 2 * V * D + D   # 4 layers + embed + lm_head + norm
+WEIGHT_BYTES = 2 * PARAMS                                                    # bf16: 2 bytes each
+USABLE_V5E = 0.9 * 16 * GIB
+
+
+@pytest.mark.parametrize("target,tp,pool_gib,fits", [
+    ("tpu-v5e:1x1", 1, 2, True),    # 10.29 GiB weights + 2 GiB pool + temporaries < 0.9 x 16 = 14.4 GiB
+    ("tpu-v5e:1x1", 1, 6, False),   # 10.29 + 6 = 16.29 GiB > 14.4 GiB before any temporaries
+    ("tpu-v5e:2x2", 4, 6, True),    # weights split 4 ways: 2.57 + 6 GiB
+])
+def test_fit_answers_match_hand_arithmetic(target, tp, pool_gib, fits):
+    assert PARAMS == 5_523_972_096 and WEIGHT_BYTES / GIB == pytest.approx(10.29, abs=0.01)
+    engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=4096,
+                          kv_cache_memory=pool_gib * GIB)  # one forward bucket: a short compile
+    plan = plan_deployment(ModelConfig.from_hf(BIG), parse_target(target), make_layout("tp", tp, tp), engine,
+                           "bfloat16")
+    if tp == 1:
+        assert plan.weight_bytes == WEIGHT_BYTES
+    else:  # every weight splits 4 ways except the norms
+        assert plan.weight_bytes == pytest.approx(WEIGHT_BYTES / 4, rel=1e-3)
+    assert plan.kv_pool_bytes == pytest.approx(pool_gib * GIB, rel=0.01)  # 16 tokens x 8 KV heads fill pages
+    hand = plan.weight_bytes + pool_gib * GIB + plan.temp_bytes + plan.code_bytes
+    assert plan.total_bytes == pytest.approx(hand, rel=0.01)
+    assert plan.fits is fits is (hand <= USABLE_V5E)
+    if not fits:
+        assert plan.headroom_bytes < 0 and any("--kv-cache-memory" in a for a in plan.advice)
+
+
+def test_collectives_are_read_from_compiled_tp_programs():
+    cfg = _config(num_attention_heads=8, num_key_value_heads=4, vocab_size=1024)
+    plan = plan_deployment(cfg, parse_target("tpu-v6e:2x2"), make_layout("tp", 4),
+                           EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128), "bfloat16")
+    reduce = {c.kind: c for c in plan.collectives}["all-reduce"]
+    # one after attention and one after the MLP in each of the 2 layers, over [T=16, hidden 128] bf16 rows
+    assert reduce.count >= 2 * cfg.num_layers
+    assert reduce.bytes >= 2 * cfg.num_layers * 16 * 128 * 2
+    single = plan_deployment(cfg, parse_target("tpu-v6e:1x1"), make_layout("tp", 1),
+                             EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128), "bfloat16")
+    assert single.collectives == []
+
+
+def test_collectives_parser_counts_sync_and_async_ops():
+    hlo = "\n".join([
+        "  %ar = bf16[16,128]{1,0} all-reduce(bf16[16,128]{1,0} %x), replica_groups={{0,1,2,3}}",
+        "  %ag = (f32[4,256]{1,0}, f32[16,256]{1,0}) all-gather-start(f32[4,256]{1,0} %y), dimensions={0}",
+        "  %agd = f32[16,256]{1,0} all-gather-done((f32[4,256]{1,0}, f32[16,256]{1,0}) %ag)",
+        "  %ar2 = bf16[16,128]{1,0} all-reduce(bf16[16,128]{1,0} %z), to_apply=%add",
+        "  %dot = f32[16,16]{1,0} dot(f32[16,128]{1,0} %a, f32[128,16]{1,0} %b)"])
+    got = {c.kind: (c.count, c.bytes) for c in collectives_in(hlo)}
+    assert got == {"all-reduce": (2, 2 * 16 * 128 * 2), "all-gather": (1, 16 * 256 * 4)}
+
+
+def test_sweep_ranks_fitting_layouts_by_tokens_per_chip():
+    cfg = _config(num_attention_heads=8, num_key_value_heads=2, vocab_size=1024)
+    plans = sweep(cfg, parse_target("tpu-v6e:2x2"), EngineConfig(max_num_batched_tokens=32, max_model_len=128),
+                  "bfloat16", batch=8, context=128)
+    assert {p.layout for p in plans} == {"tp dp=4 tp=1", "tp dp=2 tp=2", "tp dp=1 tp=4",
+                                         "tp-vocab-replicated dp=2 tp=2", "tp-vocab-replicated dp=1 tp=4"}
+    from jaxserve.plan import decode_tokens_per_chip
+    rates = [decode_tokens_per_chip(p, 8) for p in plans if p.fits]
+    assert rates == sorted(rates, reverse=True) and all(r > 0 for r in rates)
+
+
+def test_plan_command_prints_table_json_and_plot(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 128,
+                                  "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "max_position_embeddings": 256}))
+    png = tmp_path / "plan.png"
+    assert cli.main(["plan", str(config), "--target", "tpu-v5e:2x2", "--tp", "2", "--max-num-seqs", "8",
+                     "--max-num-batched-tokens", "32", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "target tpu-v5e:2x2 (TPU v5 lite), layout tp dp=2 tp=2, float32" in out and "-> FITS" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert cli.main(["plan", str(config), "--target", "cpu", "--max-num-seqs", "8", "--max-num-batched-tokens",
+                     "32", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["target"] == "cpu:1" and data["fits"] and data["weight_bytes"] > 0
+    assert math.isclose(data["total_bytes"], data["weight_bytes"] + data["kv_pool_bytes"] + data["temp_bytes"]
+                        + data["code_bytes"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--target", "tpu-v9:2x2"], "unknown TPU chip 'v9'"),
+    (["--target", "tpu-v6e:2x2", "--tp", "3"], "tensor-parallel size 3 does not divide the target's 4 devices"),
+    (["--target", "tpu-v6e:2x4", "--tp", "8"], "TP=8 does not divide the 4 query heads"),
+])
+def test_plan_command_errors_name_the_problem(tmp_path, capsys, argv, message):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 128,
+                                  "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "max_position_embeddings": 256}))
+    assert cli.main(["plan", str(config), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_plan_command_missing_model_is_a_clean_error(capsys):
+    assert cli.main(["plan", "/nonexistent/model", "--target", "cpu"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
