@@ -22,7 +22,8 @@ The rules, in order (each one is skipped when the user set that value):
      that only hold prefix-cache entries. A pool sized from free memory is rounded down to 5
      leading bits, so a restart gets the same pool, the same programs and persistent-cache hits.
   4. What the pool holds bounds the rest: max_model_len shrinks to the pool (when it was not
-     given), and max_num_seqs to one sequence per MIN_TOKENS_PER_SEQ pooled tokens.
+     given), and max_num_seqs to one sequence per MIN_TOKENS_PER_SEQ pooled tokens. On a TPU,
+     max_num_seqs also shrinks so every row's page table fits the attention kernel's SMEM.
   5. Buckets (buckets.py): token buckets 16 x 4^k below half the budget, then half the budget and
      the budget; sequence buckets likewise from 4 up to max_num_seqs. Padding is bounded (a step
      pads to at most 4x its tokens or rows, 2x in the top two buckets) and so is the number of
@@ -52,6 +53,10 @@ CPU_MAX_BATCHED_TOKENS = 2048
 CPU_MAX_POOL_BYTES = 4 * GIB       # the KV pool of a CPU engine: filling it is part of every start
 CPU_TOKENS_PER_SEQ = 2048         # CPU pool cap: this many tokens for each of max_num_seqs sequences
 MIN_TOKENS_PER_SEQ = 256           # the pool must give every running sequence at least this much
+# The TPU attention kernel prefetches every row's page table into SMEM (1 MiB per core; the
+# kernel's budget is 960 KiB, kernels_pallas/ragged_paged_attention_tpu.py): max_num_seqs x
+# ceil(max_model_len / page_size) int32 entries, less what the other scalars take.
+TPU_PAGE_TABLE_ENTRIES = 240_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +211,18 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
         if bound < max_num_seqs:
             adjustments.append(f"max_num_seqs lowered from {max_num_seqs} to {bound}: the pool holds "
                          f"{MIN_TOKENS_PER_SEQ} tokens for each")
+            max_num_seqs = bound
+    if machine.platform == "tpu":
+        pages_per_seq = -(-max_model_len // engine.page_size)
+        if max_num_seqs * pages_per_seq > TPU_PAGE_TABLE_ENTRIES:
+            bound = max(1, TPU_PAGE_TABLE_ENTRIES // pages_per_seq)
+            if engine.max_num_seqs is not None:
+                raise ValueError(f"--max-num-seqs {max_num_seqs} x {pages_per_seq} pages per sequence "
+                                 f"(--max-model-len {max_model_len} / --page-size {engine.page_size}) exceeds the "
+                                 f"{TPU_PAGE_TABLE_ENTRIES} page-table entries the TPU kernel holds in SMEM: use "
+                                 f"--max-num-seqs {bound} or fewer, a shorter --max-model-len or larger pages")
+            adjustments.append(f"max_num_seqs lowered from {max_num_seqs} to {bound}: the TPU kernel's page "
+                               f"tables (SMEM) hold {TPU_PAGE_TABLE_ENTRIES} entries, {pages_per_seq} per sequence")
             max_num_seqs = bound
     resolved = dataclasses.replace(engine, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, num_kv_pages=int(num_pages),

@@ -243,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "target and rank them by decode tokens/s per chip")
     g.add_argument("--all-programs", action="store_true", help="compile every declared program, not only "
                    "the ones the figures need")
+    g.add_argument("--compile-layers", type=int, default=None, help="compile a copy of the model this many "
+                   "layers deep and scale what grows with depth (default: 2, the same figures much faster; every "
+                   "layer with --all-programs)")
     g.add_argument("--json", default=None, help="write the plan as JSON to this file ('-': stdout, no table)")
     g.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
 

@@ -36,6 +36,7 @@ from jaxserve.programs import Program, lower_program, serving_programs
 from jaxserve.targets import Target
 
 DECODE_BATCHES = (1, 8, 64)          # plus max_num_seqs
+SWEEP_COMPILE_LAYERS = 2             # --sweep compiles this many layers of each layout (then scales)
 COLLECTIVE_LATENCY_S = 5e-6          # per collective on one step's critical path (assumed, PLANNING.md)
 _COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
@@ -86,6 +87,7 @@ class DevicePlan:
     max_seqs_at_max_len: int
     programs_compiled: int
     compile_seconds: float
+    program_temps: dict[str, int]       # compiled program -> its temporaries at this pool, per device
     collectives: list[Collective]       # of the decode program at `batch` (default max_num_seqs)
     steps: list[StepEstimate]
     notes: list[str]
@@ -93,6 +95,13 @@ class DevicePlan:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _with_layers(cfg: ModelConfig, layers: int) -> ModelConfig:
+    """The same model, `layers` deep (the first layers' attention windows)."""
+    if layers == cfg.num_layers:
+        return cfg
+    return dataclasses.replace(cfg, num_layers=layers, layer_windows=cfg.layer_windows[:layers])
 
 
 def weight_bytes_per_device(cfg: ModelConfig, dtype: Any, mesh: jax.sharding.Mesh, rules: sharding.Rules) -> int:
@@ -126,6 +135,18 @@ def collectives_in(hlo_text: str) -> list[Collective]:
     return [Collective(k, len(v), sum(v)) for k, v in sorted(counts.items())]
 
 
+def _extrapolate(at_depth: list[Collective], one_less: list[Collective], depth: int, layers: int
+                 ) -> list[Collective]:
+    """Collectives of a `layers`-deep model from those at `depth` and `depth - 1` layers."""
+    less = {c.kind: c for c in one_less}
+    out = []
+    for c in at_depth:
+        o = less.get(c.kind, Collective(c.kind, 0, 0))
+        per_count, per_bytes = c.count - o.count, c.bytes - o.bytes
+        out.append(Collective(c.kind, c.count + per_count * (layers - depth), c.bytes + per_bytes * (layers - depth)))
+    return out
+
+
 def collective_seconds(colls: list[Collective], n: int, link_bandwidth: float) -> float:
     """Ring algorithms over n devices: an all-reduce moves 2(n-1)/n of its bytes per device, a
     gather/scatter (n-1)/n; plus a fixed latency per op."""
@@ -155,10 +176,11 @@ def _machine(target: Target, mesh: jax.sharding.Mesh, weight_bytes: int) -> Mach
 
 def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: EngineConfig, dtype: Any,
                     *, context: int | None = None, programs: str = "serving", batch: int | None = None,
-                    compile_programs: bool = True) -> DevicePlan:
+                    compile_programs: bool = True, compile_layers: int | None = None) -> DevicePlan:
     """The plan of one replica (see the module docstring). `context`: the tokens each decoding
     sequence has in cache for the step estimates (default: max_model_len); `programs`: which
-    programs to compile ("serving" or "all"; see _programs_to_compile)."""
+    programs to compile ("serving" or "all"; see _programs_to_compile); `compile_layers`: compile
+    a copy of the model this deep (faster; what scales with depth is scaled back)."""
     import time
 
     dtype = jnp.dtype(dtype)
@@ -194,36 +216,56 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     b = min(batch or resolved.max_num_seqs, resolved.max_num_seqs)
     decode_bucket = choose_bucket(declared_buckets(resolved), b, b)  # its collectives are reported
     page_bytes, fixed, slope, code, decode_hlo, compile_s = per_token * resolved.page_size, est_temp, 0.0, 0, "", 0.0
+    compiled_ok, program_temps = False, {}
     if compile_programs:
         start = time.perf_counter()
-        costs = _map_threads(lambda p: program_memory(p, model, resolved, mesh, dtype, attention, rules),
-                             to_compile)
+        # A shallower copy of the model compiles faster; per-layer costs are scaled back to depth.
+        depth = min(model.num_layers, compile_layers or model.num_layers)
+        shallow = _with_layers(model, depth)
+        scale = model.num_layers / depth
+        try:
+            costs = _map_threads(lambda p: program_memory(p, shallow, resolved, mesh, dtype, attention, rules),
+                                 to_compile)
+            compiled_ok = True
+        except ValueError as e:  # a program that does not fit the device even with a tiny pool
+            notes.append(str(e))
         compile_s = time.perf_counter() - start
-        page_bytes = max(c.page_bytes for c in costs) or page_bytes
-        code = max(c.code_bytes for c in costs)
+    if compiled_ok:
+        page_bytes = max(c.page_bytes for c in costs) * scale or page_bytes
+        code = int(max(c.code_bytes for c in costs) * scale)  # layers are unrolled: code grows with depth
         decode_hlo = next(c.hlo for p, c in zip(to_compile, costs) if (p.tokens, p.rows) == decode_bucket)
         if page_bytes > per_token * resolved.page_size * 1.01:
             notes.append(f"a KV page takes {page_bytes / (per_token * resolved.page_size):.2f}x its logical bytes on "
                          f"{chip.device_kind} (tile padding of the [page, kv_heads, head_dim] minor dims)")
         worst = max(costs, key=lambda c: c.temp_at(resolved.num_kv_pages))
-        fixed, slope = worst.temp_fixed, worst.temp_per_page
+        fixed, slope = worst.temp_fixed, worst.temp_per_page * scale
         if slope > 0:
             notes.append(f"{worst.name} copies the KV pool: its temporaries grow by {slope:.0f} bytes per page")
+        if depth < model.num_layers:
+            notes.append(f"compiled {depth} of {model.num_layers} layers: KV page bytes, code and per-layer "
+                         f"collectives are scaled to depth, temporaries taken as compiled (layers run in turn)")
         # the pool that fits: pages x (page + per-page temporaries) + fixed costs <= usable
         if sized_from_memory:  # the pool serving would take, with pages as the target lays them out
             room = usable - weight_bytes - code - fixed
             pages = capacity.stable_page_count(max(0, int(room // (page_bytes + slope))))
             resolved = dataclasses.replace(resolved, num_kv_pages=max(1, min(resolved.num_kv_pages, pages)))
         pool_bytes = int(resolved.num_kv_pages * page_bytes)
+        program_temps = {c.name: int(c.temp_at(resolved.num_kv_pages)) for c in costs}
     temp = int(fixed + slope * resolved.num_kv_pages)
     total = weight_bytes + pool_bytes + temp + code
     max_pages = max(0, int((usable - weight_bytes - code - fixed) // (page_bytes + slope)))
     max_pool = int(max_pages * page_bytes)
     max_tokens = max_pages * resolved.page_size
     colls = collectives_in(decode_hlo)
+    if compiled_ok and depth < model.num_layers:
+        # one layer fewer tells the per-layer collectives from the rest (embedding, lm_head)
+        fewer = collectives_in(_compiled_memory(Program("forward", *decode_bucket), _with_layers(model, depth - 1),
+                                                dataclasses.replace(resolved, num_kv_pages=64), mesh, dtype,
+                                                attention, rules)[3]) if depth > 1 else []
+        colls = _extrapolate(colls, fewer, depth, model.num_layers)
     steps = _step_estimates(model, chip, layout, resolved, dtype, weight_bytes, per_token, colls, decode_bucket[0],
                             context or resolved.max_model_len, resolved.num_kv_pages * resolved.page_size, batch)
-    fits = total <= usable
+    fits = total <= usable and (compiled_ok or not compile_programs)
     if not fits:
         advice = _advice(model, target, layout, resolved, dtype, weight_bytes, temp + code, per_token, usable)
     settings = {k: getattr(resolved, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -238,6 +280,7 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
         max_kv_pool_bytes=max_pool, max_kv_tokens=int(max_tokens),
         max_seqs_at_max_len=int(max_tokens // resolved.max_model_len),
         programs_compiled=len(to_compile) if compile_programs else 0, compile_seconds=compile_s,
+        program_temps=program_temps,
         collectives=colls, steps=steps, notes=notes, advice=advice)
 
 
@@ -386,7 +429,7 @@ def human_bytes(n: float) -> str:
 
 
 def sweep(model: ModelConfig, target: Target, engine: EngineConfig, dtype: Any, *, batch: int,
-          context: int) -> list[DevicePlan]:
+          context: int, compile_layers: int | None = SWEEP_COMPILE_LAYERS) -> list[DevicePlan]:
     """Every candidate layout (layouts.candidate_layouts) planned at `batch` sequences of
     `context` tokens, best decode tokens/s per chip first (fitting layouts before the rest)."""
     from jaxserve.layouts import candidate_layouts

@@ -40,7 +40,8 @@ def format_plan(plan: DevicePlan) -> str:
     if plan.collectives:
         lines += ["", "collectives per decode step (compiled HLO): " + ", ".join(
             f"{c.kind} x{c.count} ({h(c.bytes)})" for c in plan.collectives)]
-    lines.append(f"compiled {plan.programs_compiled} programs for {plan.target} in {plan.compile_seconds:.1f}s")
+    lines.append(f"compiled {plan.programs_compiled} programs for {plan.target} in {plan.compile_seconds:.1f}s; "
+                 "temporaries: " + ", ".join(f"{name} {h(b)}" for name, b in plan.program_temps.items()))
     lines += [f"note: {n}" for n in plan.notes]
     lines += [f"to fit: {a}" for a in plan.advice]
     return "\n".join(lines)
@@ -49,13 +50,13 @@ def format_plan(plan: DevicePlan) -> str:
 def format_sweep(plans: list[DevicePlan], batch: int, context: int) -> str:
     lines = [f"layouts on {plans[0].target} ({plans[0].device_kind}), {plans[0].dtype}, decode at {batch} sequences "
              f"per replica x {context} tokens of context; best first",
-             f"{'layout':<32}{'fits':<6}{'headroom':>12}{'weights/dev':>13}{'KV/seq':>10}{'tok/s/chip':>12}"
+             f"{'layout':<32}{'fits':<6}{'headroom':>12}{'weights/dev':>13}{'KV/seq/dev':>12}{'tok/s/chip':>12}"
              f"{'step ms':>9}  bound"]
     for p in plans:
         step = decode_step(p, batch)
         kv_per_seq = p.max_kv_pool_bytes / max(1, p.max_kv_tokens) * context
         lines.append(f"{p.layout:<32}{'yes' if p.fits else 'no':<6}{human_bytes(p.headroom_bytes):>12}"
-                     f"{human_bytes(p.weight_bytes):>13}{human_bytes(kv_per_seq):>10}"
+                     f"{human_bytes(p.weight_bytes):>13}{human_bytes(kv_per_seq):>12}"
                      f"{decode_tokens_per_chip(p, batch):>12,.0f}{step.seconds * 1e3:>9.3f}  {step.bound} (b={step.batch})")
     return "\n".join(lines)
 
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace, engine: Any) -> int:
     if args.sweep:
         batch = args.batch or 64
         plans = sweep(model, target, engine, dtype, batch=batch, context=context or engine.max_model_len or
-                      min(8192, model.max_position_embeddings))
+                      min(8192, model.max_position_embeddings), compile_layers=args.compile_layers or 2)
         text = format_sweep(plans, batch, context or plans[0].settings["max_model_len"])
         if args.plot:
             plot_sweep(plans, batch, Path(args.plot))
@@ -141,7 +142,8 @@ def run(args: argparse.Namespace, engine: Any) -> int:
     else:
         layout = make_layout(args.layout, target.num_devices, args.tp)
         plan = plan_deployment(model, target, layout, engine, dtype, context=context,
-                               programs="all" if args.all_programs else "serving", batch=args.batch)
+                               programs="all" if args.all_programs else "serving", batch=args.batch,
+                               compile_layers=args.compile_layers or (None if args.all_programs else 2))
         text = format_plan(plan)
         if args.plot:
             plot_plan(plan, Path(args.plot))

@@ -6,16 +6,29 @@ Schedule:
     cdiv(T, BQ) + S tiles, which is the static grid size W; items past the real count are empty.
   * grid = (W, KVH). Program (w, h) loads its q tile for the G query heads of kv head h as one
     [BQ*Gp, D] matrix (rows token-major, GQA group minor; Gp = G rounded up to a power of two),
-    then walks the kv blocks its rows can see (causal end, sliding-window start), gathering
-    NPB pages per block through the page table with a masked pointer gather, with an online
-    softmax in float32.
+    then walks the kv blocks its rows can see (causal end, sliding-window start), gathering each
+    block's keys through the page table with a masked pointer gather, with an online softmax in
+    float32.
+  * A kv block holds BK keys: NPB = BK / page_size whole pages when BK >= page_size, else a slice
+    of one page (a 128-token page is read as two 64-key blocks, say), so the block size is chosen
+    for shared memory, not dictated by the page size.
   * Decode (q_len = 1) is a one-row tile per sequence; chunked prefill is several tiles; a mixed
     batch is just both kinds of items in one grid.
   * The output is a zero buffer aliased in and written with masked stores, so rows that belong
     to no sequence stay 0.
 
 Triton needs power-of-two block shapes and dot operands of at least 16 in each dimension:
-head_dim and page_size must be powers of two (`supports()` says whether a shape runs here).
+head_dim and page_size must be powers of two and head_dim at most 256 (`supports()` says whether a
+shape runs here; `kernels_pallas.ragged_paged_attention` sends the others to the reference).
+
+Shared memory (measured on sm_90a from the per-kernel figures XLA reports for compile-only H100s,
+jax 0.10.2, ~1100 configurations): the kernel keeps the q tile [R, D] and, per pipeline stage, one
+K and one V block [BK, D] in shared memory, R = block_q * Gp rows; a few bytes a row go to
+reductions, and float32 inputs at IEEE precision (jax's "highest"; the default is TF32 on the
+tensor cores) also stage a float32 [R, BK] tile. `shared_memory_bytes` adds these up (a bound the
+measurements reached within 1%), the default blocks shrink (BK first, down to 16 keys, then
+block_q) until it fits `MAX_SHARED_MEMORY` (227 KiB per block on H100/H200), and explicit blocks
+that do not fit raise ValueError before Triton is reached.
 """
 from __future__ import annotations
 
@@ -36,6 +49,14 @@ from kernels_pallas._checks import (
 )
 
 _MIN_DOT = 16
+# Largest head_dim `supports()` accepts: every group size up to 128 then fits MAX_SHARED_MEMORY in
+# float32 with the smallest blocks (4 * 256 * (128 + 2 * 16 * 2) + (32 + 4 * 16) * 128 = 204 KiB).
+MAX_HEAD_DIM = 256
+# Shared memory one thread block may use on sm_90 (H100 / H200): 227 KiB of the 228 KiB per SM
+# (CUDA C++ Programming Guide, "Compute Capabilities" table; the target's
+# shared_memory_per_block_optin). Smaller parts (A100: 163 KiB, sm_86/sm_89: 99 KiB) need smaller
+# explicit blocks, or XLA rejects the program at compile time.
+MAX_SHARED_MEMORY = 227 * 1024
 # Passing Triton compiler params selects the Triton lowering (newer jax defaults to Mosaic GPU);
 # jax < 0.7 named the class TritonCompilerParams.
 _TritonParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
@@ -47,7 +68,7 @@ def _kernel(
     work_len_ref,  # [W] int32 live rows in the tile (0: empty item)
     work_pos_ref,  # [W] int32 absolute position of the tile's first row
     seq_lens_ref,  # [S] int32
-    tables_ref,  # [S, MPp] int32, padded to a multiple of NPB
+    tables_ref,  # [S, MPp] int32, padded to a multiple of NPB (= max(1, BK / ps))
     q_ref,  # [T + BQ, KVH, Gp, D]
     k_ref,  # [P, ps, KVH, D]
     v_ref,  # [P, ps, KVH, D]
@@ -58,12 +79,14 @@ def _kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     block_q: int,
-    pages_per_block: int,
+    block_kv: int,
 ):
     _, _, group_p, head_dim = q_ref.shape
     num_pages, page_size, _, _ = k_ref.shape
     rows = block_q * group_p
-    block_kv = pages_per_block * page_size
+    # A block is NPB whole pages (BK >= ps) or a BK-key slice of one page (BK < ps).
+    pages_per_block = max(1, block_kv // page_size)
+    keys_per_page = min(block_kv, page_size)
     w = pl.program_id(0)
     h = pl.program_id(1)
     n_rows = work_len_ref[w]
@@ -90,14 +113,19 @@ def _kernel(
 
         def body(kb, carry):
             m, l, acc = carry  # [rows], [rows], [rows, D]
-            page_idx = kb * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
-            pages = tables_ref[s, pl.ds(kb * pages_per_block, pages_per_block)]  # [NPB]
+            first_key = kb * block_kv
+            first_page = first_key // page_size
+            page_idx = first_page + jnp.arange(pages_per_block, dtype=jnp.int32)
+            pages = tables_ref[s, pl.ds(first_page, pages_per_block)]  # [NPB]
             # Entries past the sequence's pages are never read; clip so no id becomes a wild pointer.
             pages = jnp.clip(jnp.where(page_idx < num_seq_pages, pages, 0), 0, num_pages - 1)
-            # Pointer gather [NPB, ps, D]: every axis indexed by a broadcast array, which both
-            # the Triton lowering and the interpreter accept.
-            shape3 = (pages_per_block, page_size, head_dim)
-            slot = lax.broadcasted_iota(jnp.int32, shape3, 1)
+            # Pointer gather [NPB, keys per page, D]: every axis indexed by a broadcast array, which
+            # both the Triton lowering and the interpreter accept. The block's first slot is
+            # first_key mod ps: nonzero only when the block is a slice of a page (written as a
+            # subtraction: the Triton lowering rejects jnp's floor-mod of int32 scalars).
+            shape3 = (pages_per_block, keys_per_page, head_dim)
+            first_slot = first_key - first_page * page_size
+            slot = first_slot + lax.broadcasted_iota(jnp.int32, shape3, 1)
             dim = lax.broadcasted_iota(jnp.int32, shape3, 2)
             page3 = jnp.broadcast_to(pages[:, None, None], shape3)
             kv_real = (page_idx[:, None, None] * page_size + slot) < seq_len
@@ -142,8 +170,23 @@ def _kernel(
 
 
 def supports(*, head_dim: int, page_size: int) -> bool:
-    """Whether this kernel handles these sizes (Triton block shapes are powers of two)."""
-    return is_power_of_two(head_dim) and head_dim >= _MIN_DOT and is_power_of_two(page_size)
+    """Whether this kernel handles these sizes: power-of-two head_dim in [16, MAX_HEAD_DIM] (Triton
+    block shapes are powers of two, dots need 16) and a power-of-two page_size (any size: pages
+    larger than a kv block are read a slice at a time)."""
+    return (is_power_of_two(head_dim) and _MIN_DOT <= head_dim <= MAX_HEAD_DIM
+            and is_power_of_two(page_size))
+
+
+def shared_memory_bytes(
+    *, block_q: int, group_p: int, block_kv: int, head_dim: int, itemsize: int, num_stages: int
+) -> int:
+    """Upper bound on the shared memory one program uses: the q tile [block_q * Gp, D] plus one
+    K and one V block [BK, D] per pipeline stage, 32 bytes a q row for the row reductions and
+    pipeline barriers, and for 4-byte inputs a float32 [rows, BK] tile (the IEEE float32 dots
+    stage the probabilities through shared memory). See the module docstring for the measurements."""
+    rows = block_q * group_p
+    tiles = itemsize * head_dim * (rows + 2 * block_kv * max(1, num_stages))
+    return tiles + 32 * rows + (4 * rows * block_kv if itemsize >= 4 else 0)
 
 
 def default_block_q(num_tokens: int, max_seqs: int, group_p: int) -> int:
@@ -152,9 +195,44 @@ def default_block_q(num_tokens: int, max_seqs: int, group_p: int) -> int:
     return max(1, target_rows // group_p)
 
 
-def default_pages_per_block(page_size: int) -> int:
-    """About 64 keys per kv block, never fewer than 16 (the Triton dot minimum)."""
-    return max(1, 64 // page_size)
+def default_block_kv(page_size: int) -> int:
+    """64 keys per kv block, or one whole page when pages are larger."""
+    return max(64, page_size)
+
+
+def choose_blocks(
+    *,
+    num_tokens: int,
+    max_seqs: int,
+    group_p: int,
+    head_dim: int,
+    page_size: int,
+    itemsize: int,
+    num_stages: int,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    max_shared_memory: int | None = None,
+) -> tuple[int, int]:
+    """(block_q, block_kv): the given ones as they are; defaults for the others, halved (the kv
+    block first, down to 16 keys, then the q tile, down to 16 rows) until
+    `shared_memory_bytes` fits `max_shared_memory` (default MAX_SHARED_MEMORY). The result may still
+    not fit (explicit blocks, or no default small enough): the caller checks."""
+    limit = MAX_SHARED_MEMORY if max_shared_memory is None else max_shared_memory
+    bq = block_q or default_block_q(num_tokens, max_seqs, group_p)
+    bk = block_kv or default_block_kv(page_size)
+
+    def fits(bq: int, bk: int) -> bool:
+        return shared_memory_bytes(block_q=bq, group_p=group_p, block_kv=bk, head_dim=head_dim,
+                                   itemsize=itemsize, num_stages=num_stages) <= limit
+
+    while not fits(bq, bk):
+        if block_kv is None and bk > _MIN_DOT:
+            bk //= 2
+        elif block_q is None and bq > 1 and bq * group_p > _MIN_DOT:
+            bq //= 2
+        else:
+            break
+    return bq, bk
 
 
 def work_items(
@@ -185,7 +263,7 @@ def work_items(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_block",
+        "sm_scale", "sliding_window", "soft_cap", "block_q", "block_kv", "pages_per_block",
         "num_warps", "num_stages", "interpret",
     ),
 )
@@ -202,37 +280,69 @@ def ragged_paged_attention_gpu(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     block_q: int | None = None,
+    block_kv: int | None = None,
     pages_per_block: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:  # [T, H, D]
-    """Ragged paged attention on GPU (see docs/CONTRACTS.md); `interpret` runs on any backend."""
+    """Ragged paged attention on GPU (see docs/CONTRACTS.md); `interpret` runs on any backend.
+
+    Tuning knobs (static, powers of two; None picks a default that fits shared memory):
+    `block_q` token rows per q tile, `block_kv` keys per kv block (or `pages_per_block`, the same
+    as block_kv = pages_per_block * page_size), Triton's `num_warps` and `num_stages`.
+    """
     dims = check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
     )
-    for name, value in (("block_q", block_q), ("pages_per_block", pages_per_block),
-                        ("num_warps", num_warps), ("num_stages", num_stages)):
+    for name, value in (("block_q", block_q), ("block_kv", block_kv),
+                        ("pages_per_block", pages_per_block), ("num_warps", num_warps),
+                        ("num_stages", num_stages)):
         check_block_arg(name, value)
     if not supports(head_dim=dims.head_dim, page_size=dims.page_size):
         raise ValueError(
-            f"GPU kernel needs a power-of-two head_dim >= {_MIN_DOT} and a power-of-two "
-            f"page_size; got head_dim={dims.head_dim}, page_size={dims.page_size}"
+            f"GPU kernel needs a power-of-two head_dim in [{_MIN_DOT}, {MAX_HEAD_DIM}] and a "
+            f"power-of-two page_size; got head_dim={dims.head_dim}, page_size={dims.page_size}"
+        )
+    if block_kv is not None and pages_per_block is not None:
+        raise ValueError(
+            f"give block_kv or pages_per_block, not both (block_kv={block_kv}, "
+            f"pages_per_block={pages_per_block})"
         )
     T, H, D = q.shape
     KVH, G, S, MP = dims.num_kv_heads, dims.group, dims.max_seqs, dims.max_pages_per_seq
+    ps = dims.page_size
     gp = next_power_of_two(G)
-    bq = block_q or default_block_q(T, S, gp)
-    npb = pages_per_block or default_pages_per_block(dims.page_size)
-    for name, value in (("block_q", bq), ("pages_per_block", npb)):
-        if not is_power_of_two(value):
+    for name, value in (("block_q", block_q), ("block_kv", block_kv),
+                        ("pages_per_block", pages_per_block)):
+        if value is not None and not is_power_of_two(value):
             raise ValueError(f"{name} must be a power of two, got {value}")
-    if not interpret and (bq * gp < _MIN_DOT or npb * dims.page_size < _MIN_DOT):
-        raise ValueError(
-            f"block_q * group ({bq * gp}) and pages_per_block * page_size "
-            f"({npb * dims.page_size}) must be >= {_MIN_DOT} for Triton dots"
-        )
+    itemsize = jnp.dtype(q.dtype).itemsize
+    bq, bk = choose_blocks(
+        num_tokens=T, max_seqs=S, group_p=gp, head_dim=D, page_size=ps, itemsize=itemsize,
+        num_stages=num_stages, block_q=block_q,
+        block_kv=block_kv or (pages_per_block and pages_per_block * ps),
+    )
+    npb = max(1, bk // ps)
+    if not interpret:
+        if bq * gp < _MIN_DOT or bk < _MIN_DOT:
+            raise ValueError(
+                f"block_q * group ({bq * gp}) and block_kv ({bk} keys; pages_per_block * "
+                f"page_size when given in pages) must be >= {_MIN_DOT} for Triton dots"
+            )
+        smem = shared_memory_bytes(block_q=bq, group_p=gp, block_kv=bk, head_dim=D,
+                                   itemsize=itemsize, num_stages=num_stages)
+        if smem > MAX_SHARED_MEMORY:
+            layout = (f"{bk // ps} pages of {ps} keys" if bk >= ps
+                      else f"a 1/{ps // bk} slice of a {ps}-key page")
+            raise ValueError(
+                f"GPU kernel blocks need ~{smem} bytes of shared memory, more than the "
+                f"{MAX_SHARED_MEMORY} one block may use (sm_90): block_q={bq}, block_kv={bk} "
+                f"({layout}), num_stages={num_stages}, with group={G} (padded to {gp}), "
+                f"head_dim={D}, dtype={jnp.dtype(q.dtype).name}; use a smaller block_q, "
+                f"block_kv / pages_per_block or num_stages"
+            )
     num_items = -(-T // bq) + S
     work = work_items(cu_q_lens, seq_lens, num_seqs, block_q=bq, num_items=num_items)
 
@@ -246,7 +356,7 @@ def ragged_paged_attention_gpu(
 
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-        block_q=bq, pages_per_block=npb,
+        block_q=bq, block_kv=bk,
     )
     warps = num_warps or (4 if bq * gp <= 64 else 8)
     out = pl.pallas_call(

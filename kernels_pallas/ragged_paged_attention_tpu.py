@@ -13,16 +13,31 @@ Layout and schedule:
   * online softmax in float32 scratch (m, l lane-replicated to 128, acc [KVH, BQ*G, D]); a row
     only changes while its own sequence is walked, because every other row is fully masked.
 
-Tested on CPU through the TPU interpreter (`interpret=True`) and through Pallas' Mosaic lowering
-(`lowering_platforms=("tpu",)`); it has not been compiled by libtpu yet. The one construct most
-likely to need rework there is the per-head read `k_buf[slot, :, :, h, :]`: with the pinned
-[P, ps, KVH, D] page layout one head is a single sublane row of each [KVH, D] tile, which Mosaic
-must relayout into a dense [NPB*ps, D] operand. If it refuses, fetch per (page, head) into a
-head-major buffer, or move the KV cache to a head-major / K-V-interleaved layout.
+Block sizes and memory (see the "VMEM / SMEM budgets" section below):
+  * the wrapper reads the TPU generation it is traced for (`tpu_target`: the device kind of the
+    arguments' sharding mesh, else `pltpu.get_tpu_info()`), requests that generation's scoped VMEM
+    budget from Mosaic (`vmem_limit_bytes`: 64 MiB on v5e/v6e, 32 MiB on v5p, 16 MiB when the
+    target is unknown) and picks `block_q` / `pages_per_block` so that `vmem_bytes(...)`, an
+    upper bound of what the compiled kernel holds in VMEM, fits it: defaults of ~128 q rows x
+    ~128 keys, block_q halved first, then pages_per_block. Sizes that cannot fit (explicit ones,
+    or shapes where even the smallest blocks are too big) raise ValueError naming the parameters;
+    so do page tables too large for SMEM (max_seqs x max_pages_per_seq above ~245k entries).
+  * a single 16-bit kv head is passed as [P, ps, D] (`squeeze_kv_heads`): XLA's default layout of
+    [P, ps, 1, D] would otherwise cost a relayout copy of the whole cache per call.
+
+Compiled by libtpu 0.0.42.1 (compile-only topologies, no TPU attached) for v5e, v6e and v5p at
+serving shapes -- head_dim 64/128/256, 1-16 kv heads, GQA groups 1-8, pages of 16-128 tokens,
+sliding window, soft cap, f32 and bf16, step buckets of 16-8192 tokens, 4-256 rows, 8k-32k
+contexts: tests/kernels/test_rpa_tpu_compile.py. Numerics are checked through the TPU interpreter
+(tests/kernels/test_rpa_tpu.py); it has not run on TPU hardware yet. Known cost: with head_dim 64,
+XLA's default layout of the [P, ps, KVH, 64] cache puts the page axis minor, so every call
+relayouts (copies) the cache into the kernel's row-major operand; avoiding that needs the cache
+allocated in a row-major layout (or a lane-dense cache shape), outside this kernel.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -45,13 +60,13 @@ def _kernel(
     first_seq_ref,  # [NQB] int32, first sequence with a row in q block b (num_seqs if none)
     # inputs
     q_ref,  # [KVH, BQ*G, D] VMEM block
-    k_hbm,  # [P, ps, KVH, D] HBM
-    v_hbm,  # [P, ps, KVH, D] HBM
+    k_hbm,  # [P, ps, KVH, D] HBM ([P, ps, D] for one 16-bit head: squeeze_kv_heads)
+    v_hbm,  # [P, ps, KVH, D] HBM ([P, ps, D] for one 16-bit head: squeeze_kv_heads)
     # output
     o_ref,  # [KVH, BQ*G, D] VMEM block
     # scratch
-    k_buf,  # [2, NPB, ps, KVH, D]
-    v_buf,  # [2, NPB, ps, KVH, D]
+    k_buf,  # [2, NPB, ps, KVH, D] ([2, NPB, ps, D] when squeezed)
+    v_buf,  # [2, NPB, ps, KVH, D] ([2, NPB, ps, D] when squeezed)
     sems,  # DMA semaphores [2 (k, v), 2 (slot)]
     m_ref,  # [KVH, BQ*G, 128] f32 running max, lane-replicated
     l_ref,  # [KVH, BQ*G, 128] f32 running denominator, lane-replicated
@@ -65,7 +80,8 @@ def _kernel(
     max_pages: int,
 ):
     num_kv_heads, rows, head_dim = acc_ref.shape
-    _, pages_per_block, page_size, _, _ = k_buf.shape
+    _, pages_per_block, page_size = k_buf.shape[:3]
+    squeezed = k_buf.ndim == 4  # a single kv head, passed without its unit axis (squeeze_kv_heads)
     num_pages = k_hbm.shape[0]
     block_kv = pages_per_block * page_size
     max_seqs = seq_lens_ref.shape[0]
@@ -142,15 +158,22 @@ def _kernel(
         if sliding_window is not None:
             mask &= pos - kv_pos < sliding_window
         kv_real = (kb * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)) < seq_len
+        # Mosaic's matmul takes fp32 contract precision for f32 operands only; bf16 operands
+        # accumulate in f32 through preferred_element_type at the MXU's native precision.
+        precision = lax.Precision.HIGHEST if k_buf.dtype == jnp.float32 else lax.Precision.DEFAULT
         for h in range(num_kv_heads):
             # Unfetched / stale slots may hold anything (NaN included): zero them.
-            k = k_buf[slot, :, :, h, :].reshape(block_kv, head_dim)
-            v = v_buf[slot, :, :, h, :].reshape(block_kv, head_dim)
+            if squeezed:
+                k = k_buf[slot].reshape(block_kv, head_dim)
+                v = v_buf[slot].reshape(block_kv, head_dim)
+            else:
+                k = k_buf[slot, :, :, h, :].reshape(block_kv, head_dim)
+                v = v_buf[slot, :, :, h, :].reshape(block_kv, head_dim)
             k = jnp.where(kv_real, k, jnp.zeros_like(k))
             v = jnp.where(kv_real, v, jnp.zeros_like(v))
             logits = lax.dot_general(
                 q_ref[h], k, (((1,), (1,)), ((), ())),
-                preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST,
+                preferred_element_type=jnp.float32, precision=precision,
             ) * sm_scale  # [rows, BK]
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
@@ -162,7 +185,7 @@ def _kernel(
             l_new = alpha * l_ref[h, :, 0:1] + p.sum(axis=1, keepdims=True)
             pv = lax.dot_general(
                 p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST,
+                preferred_element_type=jnp.float32, precision=precision,
             )  # [rows, D]
             acc_ref[h] = alpha * acc_ref[h] + pv
             m_ref[h] = jnp.broadcast_to(m_new, (rows, _LANES))
@@ -210,6 +233,183 @@ def default_pages_per_block(page_size: int, max_pages: int) -> int:
     return max(1, min(max_pages, 128 // page_size))
 
 
+# --- VMEM / SMEM budgets ---------------------------------------------------------------------
+#
+# The kernel asks Mosaic for `vmem_limit_bytes` = the budget of the target it is compiled for and
+# sizes its blocks so that `vmem_bytes(...)` stays within it. Budget = half of one TensorCore's
+# VMEM, for the generations the kernel has been compiled for (the other half stays with XLA,
+# whose memory-space assignment keeps neighbouring operands in VMEM). Measured with libtpu
+# 0.0.42.1: VMEM per core 128 MiB (v5e, v6e) / 64 MiB (v5p); the scoped limit a Mosaic call gets
+# when it asks for none is 16 MiB (v5e, v5p) / 32 MiB (v6e).
+_MiB = 1 << 20
+VMEM_BUDGET_BYTES = {"v5e": 64 * _MiB, "v6e": 64 * _MiB, "v5p": 32 * _MiB}
+# Any other or unknown target (tracing without TPU devices in sight, other generations): the
+# smallest default scoped limit (v5e/v5p), which every generation's VMEM holds.
+FALLBACK_VMEM_BUDGET_BYTES = 16 * _MiB
+# Scalar prefetch (seq_lens, cu_q_lens, the flattened page tables, num_seqs, first sequence of each
+# q block) lives in SMEM: 1 MiB per core on v5e/v6e/v5p, a little of which the compiler keeps.
+SMEM_BUDGET_BYTES = 960 * 1024
+# Device kinds (jax Device.device_kind) of the generations above.
+_DEVICE_KIND_TO_TARGET = {
+    "TPU v5 lite": "v5e", "TPU v5e": "v5e",
+    "TPU v5": "v5p", "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e", "TPU v6e": "v6e",
+}
+
+
+def tpu_target(x: jax.Array | None = None) -> str | None:
+    """The TPU generation ("v5e", "v6e", "v5p", or another chip name) the kernel is traced for.
+
+    Read first from the abstract mesh of `x`'s sharding (set when the arguments carry a
+    NamedSharding over TPU devices, and inside `shard_map` over a TPU mesh: this is what
+    compile-only topologies give), then from `pltpu.get_tpu_info()` (the mesh context or the
+    default device). None when neither names a TPU (e.g. a CPU process running the interpreter).
+    """
+    if x is not None:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        device = getattr(mesh, "abstract_device", None)
+        kind = getattr(device, "device_kind", None)
+        if kind is not None and getattr(device, "platform", "tpu") == "tpu":
+            return _DEVICE_KIND_TO_TARGET.get(kind, kind)
+    try:
+        return str(pltpu.get_tpu_info().chip_version)
+    except Exception:  # not a TPU (or a jax without TPU info): no target
+        return None
+
+
+def vmem_budget_bytes(target: str | None) -> int:
+    """Scoped VMEM the kernel requests and fits its blocks into on `target` (see tpu_target)."""
+    return VMEM_BUDGET_BYTES.get(target, FALLBACK_VMEM_BUDGET_BYTES)
+
+
+def squeeze_kv_heads(num_kv_heads: int, dtype) -> bool:
+    """Whether the kernel takes a single-head 16-bit cache as [P, ps, D] (dropping the unit axis).
+
+    XLA's default TPU layout of a 16-bit [P, ps, 1, D] array moves the unit axis out of the tiled
+    minor pair ({3,1,2,0}); a row-major [P, ps, 1, D] kernel operand would then cost a relayout
+    copy of the whole cache on every call, while dropping the axis is a bitcast. f32 keeps the
+    axis: its default layout is row-major with (1, 128) tiles, which the 4-D operand takes as is
+    (a 3-D operand would be retiled). Checked in tests/kernels/test_rpa_tpu_compile.py.
+    """
+    return num_kv_heads == 1 and jnp.dtype(dtype).itemsize == 2
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _tile_bytes(shape: tuple[int, ...], itemsize: int, *, sublanes: int | None = None) -> int:
+    """Bytes of a VMEM array in Mosaic's tiled layout: the minor dim padded to 128 lanes, the
+    second-minor to the sublane tiling. Scratch (`sublanes=None`) gets Mosaic's inferred tiling:
+    packing (4 // itemsize) rows, doubled while below min(rows, 8) (so [.., 1, D] f32 is not padded
+    to 8 rows); pipelined blocks (`sublanes=8 * packing`) keep the HBM operand's native tile."""
+    *lead, rows, lanes = shape
+    if sublanes is None:
+        sublanes = 4 // itemsize
+        while sublanes < min(rows, 8):
+            sublanes *= 2
+    return math.prod(lead) * _round_up(rows, sublanes) * _round_up(lanes, _LANES) * itemsize
+
+
+def vmem_bytes(
+    *, head_dim: int, num_kv_heads: int, group: int, page_size: int, block_q: int,
+    pages_per_block: int, dtype,
+) -> int:
+    """VMEM the kernel needs (an upper bound), from its parameters alone.
+
+    Explicit buffers, each in its tiled layout (`_tile_bytes`), rows = block_q * group,
+    BK = pages_per_block * page_size:
+      q and o blocks  [KVH, rows, D] dtype, double-buffered by the pipeline     4 x
+      K/V page buffers [2, NPB, ps, KVH, D] dtype (two slots)                   2 x
+      m, l scratch    [KVH, rows, 128] f32                                      2 x
+      acc scratch     [KVH, rows, D] f32                                        1 x
+    plus the values Mosaic keeps in VMEM while it computes one kv block (the head loop is
+    unrolled, and live ranges of different heads overlap), in f32 bytes:
+      shared:   4 x [rows, BK] (token/pos/kv_pos/mask) + [BK, D] (kv_real)
+      per head: 2 x [BK, D] (k, v) + 2 x [rows, BK] (logits, p) + 4 x [rows, D] (q, pv, acc...)
+    plus 256 KiB for Mosaic's internal scratch. The value term is empirical: it bounds what
+    libtpu 0.0.42.1 reports for the compiled kernel on v5e, v6e and v5p
+    (tests/kernels/test_rpa_tpu_compile.py checks that it still does).
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    rows = block_q * group
+    block_kv = pages_per_block * page_size
+    d, bk, r = _round_up(head_dim, _LANES), _round_up(block_kv, _LANES), _round_up(rows, 8)
+    qo = 4 * _tile_bytes((num_kv_heads, rows, head_dim), itemsize, sublanes=8 * (4 // itemsize))
+    kv_page = (
+        (page_size, head_dim) if squeeze_kv_heads(num_kv_heads, dtype)
+        else (page_size, num_kv_heads, head_dim)
+    )
+    kv = 2 * _tile_bytes((2, pages_per_block, *kv_page), itemsize)
+    ml = 2 * _tile_bytes((num_kv_heads, rows, _LANES), 4)
+    acc = _tile_bytes((num_kv_heads, rows, head_dim), 4)
+    shared = 4 * (4 * r * bk + _round_up(block_kv, 8) * d)
+    per_head = 4 * (2 * _round_up(block_kv, 8) * d + 2 * r * bk + 4 * r * d)
+    values = shared + num_kv_heads * per_head
+    if itemsize < 4 and not squeeze_kv_heads(num_kv_heads, dtype):
+        # A 16-bit head is every KVH-th row of sublane-packed [ps, KVH, D] tiles: Mosaic unpacks
+        # it through f32 copies (on v5e/v5p, which have no bf16 VPU, up to ~10 [BK, 128] f32
+        # arrays per head, for at most ~4 heads at a time).
+        values += min(num_kv_heads, 4) * 10 * _round_up(block_kv, 16) * _LANES * 4
+    return qo + kv + ml + acc + values + 256 * 1024
+
+
+def smem_bytes(*, max_seqs: int, max_pages_per_seq: int, num_q_blocks: int) -> int:
+    """SMEM bytes of the scalar prefetch: seq_lens, cu_q_lens, page tables, num_seqs, first_seq."""
+    return 4 * sum(
+        _round_up(n, 128)
+        for n in (max_seqs, max_seqs + 1, max_seqs * max_pages_per_seq, 1, num_q_blocks)
+    )
+
+
+def _shrink_block_q(block_q: int, group: int) -> int | None:
+    """Half of block_q if the q block keeps a whole number of 16-row tiles, else None."""
+    half = block_q // 2
+    if block_q % 2 or half < 1 or (half * group) % 16:
+        return None
+    return half
+
+
+def choose_blocks(
+    *, head_dim: int, num_kv_heads: int, group: int, page_size: int, max_pages_per_seq: int,
+    dtype, budget: int, block_q: int | None = None, pages_per_block: int | None = None,
+    target: str | None = None,
+) -> tuple[int, int]:
+    """(block_q, pages_per_block) whose `vmem_bytes` fits `budget`.
+
+    Defaults start at ~128 q rows x ~128 keys (default_block_q / default_pages_per_block); while
+    over budget, block_q halves (keeping whole 16-row tiles), then pages_per_block halves. Sizes
+    the caller passes are kept as they are. Raises ValueError naming the parameters when nothing
+    fits.
+    """
+    bq = block_q or default_block_q(group)
+    npb = pages_per_block or default_pages_per_block(page_size, max_pages_per_seq)
+    explicit = bool(block_q or pages_per_block)
+
+    def need(bq, npb):
+        return vmem_bytes(
+            head_dim=head_dim, num_kv_heads=num_kv_heads, group=group, page_size=page_size,
+            block_q=bq, pages_per_block=npb, dtype=dtype,
+        )
+
+    while need(bq, npb) > budget:
+        smaller_q = None if block_q else _shrink_block_q(bq, group)
+        if smaller_q is not None:
+            bq = smaller_q
+        elif not pages_per_block and npb > 1:
+            npb //= 2
+        else:
+            raise ValueError(
+                "ragged_paged_attention_tpu does not fit in VMEM: "
+                f"head_dim={head_dim}, num_kv_heads={num_kv_heads}, group={group}, "
+                f"page_size={page_size}, block_q={bq}, pages_per_block={npb}, "
+                f"dtype={jnp.dtype(dtype).name} need {need(bq, npb)} bytes of VMEM but the budget "
+                f"for target {target or 'unknown'} is {budget} bytes"
+                + ("; pass a smaller block_q / pages_per_block" if explicit else "")
+            )
+    return bq, npb
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -241,9 +441,22 @@ def ragged_paged_attention_tpu(
     check_block_arg("pages_per_block", pages_per_block)
     T, H, D = q.shape
     KVH, G, MP, S = dims.num_kv_heads, dims.group, dims.max_pages_per_seq, dims.max_seqs
-    bq = block_q or default_block_q(G)
-    npb = pages_per_block or default_pages_per_block(dims.page_size, MP)
+    target = None if interpret else tpu_target(q)
+    budget = vmem_budget_bytes(target)
+    bq, npb = choose_blocks(
+        head_dim=D, num_kv_heads=KVH, group=G, page_size=dims.page_size, max_pages_per_seq=MP,
+        dtype=q.dtype, budget=budget, block_q=block_q, pages_per_block=pages_per_block,
+        target=target,
+    )
     num_q_blocks = -(-T // bq)
+    smem = smem_bytes(max_seqs=S, max_pages_per_seq=MP, num_q_blocks=num_q_blocks)
+    if smem > SMEM_BUDGET_BYTES:
+        raise ValueError(
+            "ragged_paged_attention_tpu: the scalar-prefetched page tables do not fit in SMEM: "
+            f"max_seqs={S} x max_pages_per_seq={MP} (page_size={dims.page_size}), "
+            f"{num_q_blocks} q blocks need {smem} bytes of SMEM, budget {SMEM_BUDGET_BYTES} bytes; "
+            "use fewer rows, a shorter max context or larger pages"
+        )
     t_pad = num_q_blocks * bq
 
     # [T, H, D] -> [KVH, T_pad * G, D]; padded rows belong to no sequence and come out as 0.
@@ -259,7 +472,10 @@ def ragged_paged_attention_tpu(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         block_q=bq, group=G, max_pages=MP,
     )
-    buf = pltpu.VMEM((2, npb, dims.page_size, KVH, D), k_pages.dtype)
+    if squeeze_kv_heads(KVH, k_pages.dtype):
+        k_pages = k_pages.reshape(k_pages.shape[0], dims.page_size, D)
+        v_pages = v_pages.reshape(v_pages.shape[0], dims.page_size, D)
+    buf = pltpu.VMEM((2, npb, *k_pages.shape[1:]), k_pages.dtype)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -277,7 +493,9 @@ def ragged_paged_attention_tpu(
             ],
         ),
         out_shape=jax.ShapeDtypeStruct((KVH, t_pad * G, D), q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",), vmem_limit_bytes=budget,
+        ),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention_tpu",
     )(seq_lens, cu_q_lens, page_tables.reshape(S * MP), num_seqs, first_seq, q_t, k_pages, v_pages)

@@ -182,3 +182,17 @@ def test_temporaries_estimate_covers_xla_memory_analysis(tiny):
     estimate = capacity.step_temp_bytes(cfg, t, s, 4)
     assert max(forward, sampler) <= estimate <= 20 * max(forward, sampler), (forward, sampler, estimate)
     assert np.isfinite(estimate)
+
+
+def test_tpu_page_tables_bound_max_num_seqs_by_the_kernels_smem():
+    """A TPU's kernel prefetches max_num_seqs x pages-per-sequence int32 entries into SMEM."""
+    tpu = MachineInfo("tpu", "TPU v6 lite", memory_per_device=32 * GIB)
+    long_ctx = plan_capacity(EngineConfig(max_model_len=32768), TINY_LONG, tpu, 2)
+    assert long_ctx.engine.max_num_seqs == capacity.TPU_PAGE_TABLE_ENTRIES // 2048 == 117  # 32768 / 16 pages each
+    assert any("SMEM" in line for line in long_ctx.lines)
+    assert plan_capacity(EngineConfig(max_model_len=4096), TINY, tpu, 2).engine.max_num_seqs == 256  # 256 x 256 fit
+    with pytest.raises(ValueError, match="--max-num-seqs 256 x 2048 pages per sequence"):
+        plan_capacity(EngineConfig(max_model_len=32768, max_num_seqs=256), TINY_LONG, tpu, 2)
+
+
+TINY_LONG = dataclasses.replace(TINY, max_position_embeddings=32768)
