@@ -1,7 +1,8 @@
 """The device-side KV page pool: shapes, shardings, the write of new K/V into slots, page copies.
 
 Per layer one K and one V array of shape [num_pages, page_size, num_kv_heads, head_dim], split over
-KV heads on the model axis (replicated when that axis does not divide the KV head count). A token's
+KV heads on the model axis (the runner duplicates KV heads up to a wider axis, model/kv_heads.py;
+replicated when the axis does not divide them). A token's
 slot is `page * page_size + offset`. Padding tokens carry the out-of-bounds slot
 `num_pages * page_size` and every write uses `mode="drop"`, so padding never touches a real page.
 Pages are allocated and freed on the host (page_allocator.py); this file never decides which.

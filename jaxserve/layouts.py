@@ -11,6 +11,7 @@ import dataclasses
 
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
+from jaxserve.model.kv_heads import kv_duplication
 
 MODEL = sharding.MODEL_AXIS
 
@@ -19,6 +20,8 @@ RULE_SETS: dict[str, tuple[tuple[str, str | None], ...]] = {
     "tp": sharding.DEFAULT_RULES,
     # the embedding/lm_head whole on every device: no vocab all-gather, more weight bytes per device
     "tp-vocab-replicated": tuple((k, None if k == "vocab" else v) for k, v in sharding.DEFAULT_RULES),
+    # KV heads whole on every device even when the model axis could split or duplicate them
+    "tp-kv-replicated": tuple((k, None if k == "kv_heads" else v) for k, v in sharding.DEFAULT_RULES),
 }
 
 
@@ -48,8 +51,9 @@ def make_layout(rules_name: str, num_devices: int, tp: int | None = None) -> Lay
 
 
 def check_divides(layout: Layout, cfg: ModelConfig) -> list[str]:
-    """Raises ValueError naming the dimension a layout cannot split; returns notes on dimensions it
-    leaves whole (KV heads fewer than the TP size are replicated on every device)."""
+    """Raises ValueError naming the dimension a layout cannot split; returns notes on the KV heads
+    (duplicated to one per device when the TP size is a multiple of their count, else whole on
+    every device)."""
     tp = layout.tp
     if tp == 1:
         return []
@@ -62,9 +66,13 @@ def check_divides(layout: Layout, cfg: ModelConfig) -> list[str]:
             raise ValueError(f"layout {layout.name}: TP={tp} does not divide the {size} {what}; "
                              f"choose a TP size that divides {size}")
     notes = []
-    if rules.get("kv_heads") == MODEL and cfg.num_kv_heads % tp:
-        notes.append(f"{cfg.num_kv_heads} KV heads do not split {tp} ways: every device holds all of them "
-                     f"(KV pool and K/V projections replicated)")
+    factor = kv_duplication(cfg, tp, layout.rules)
+    if factor > 1:
+        notes.append(f"{cfg.num_kv_heads} KV heads duplicated {factor}x to {cfg.num_kv_heads * factor}: one per "
+                     f"device, as serving does (model/kv_heads.py)")
+    elif rules.get("kv_heads") != MODEL or cfg.num_kv_heads % tp:
+        notes.append(f"{cfg.num_kv_heads} KV heads whole on every device (KV pool and K/V projections "
+                     f"replicated; attention takes the jnp path)")
     return notes
 
 

@@ -31,6 +31,7 @@ from jaxserve.capacity import plan_capacity
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.machine import machine_info
 from jaxserve.model.attention import make_attention
+from jaxserve.model.kv_heads import duplicate_kv_heads
 from jaxserve.model.weights import Weights
 from jaxserve.packing import pack
 from jaxserve.programs import (Program, copy_step, copy_width, dummy_arrays, dummy_sampling, forward_step,
@@ -71,6 +72,12 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh,
                  dtype: Any = jnp.float32) -> None:
         CompileCounter.install()
+        # A model axis wider than the KV head count holds one duplicated KV head per device.
+        kv_heads = model_cfg.num_kv_heads
+        model_cfg, weights = duplicate_kv_heads(model_cfg, weights, mesh)
+        if model_cfg.num_kv_heads != kv_heads:
+            logger.info("KV heads duplicated %d -> %d: one per device of the %d-way model axis", kv_heads,
+                        model_cfg.num_kv_heads, mesh.shape[sharding.MODEL_AXIS])
         self.model_cfg = model_cfg
         self.mesh = mesh
         self.weights = weights

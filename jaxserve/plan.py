@@ -32,6 +32,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layouts import Layout, check_divides
 from jaxserve.model import weights as weights_mod
 from jaxserve.model.attention import make_attention
+from jaxserve.model.kv_heads import duplicated_config, kv_duplication
 from jaxserve.programs import Program, lower_program, serving_programs
 from jaxserve.targets import Target
 
@@ -185,9 +186,10 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
 
     dtype = jnp.dtype(dtype)
     notes = check_divides(layout, model)
+    rules = layout.rules
+    model = duplicated_config(model, kv_duplication(model, layout.tp, rules))  # as the runner does
     devices = target.devices()[: layout.tp]
     mesh = sharding.make_mesh(1, layout.tp, devices)
-    rules = layout.rules
     weight_bytes = weight_bytes_per_device(model, dtype, mesh, rules)
     machine = _machine(target, mesh, weight_bytes)
     chip = target.chip

@@ -80,21 +80,27 @@ def test_layout_that_does_not_divide_names_the_dimension():
         check_divides(make_layout("tp", 8), odd_mlp)
     with pytest.raises(ValueError, match="does not divide the target's 8 devices"):
         make_layout("tp", 8, 3)
-    with pytest.raises(ValueError, match="unknown layout 'zigzag'; known: tp, tp-vocab-replicated"):
+    with pytest.raises(ValueError, match="unknown layout 'zigzag'; known: tp, tp-vocab-replicated, tp-kv-replicated"):
         make_layout("zigzag", 4)
 
 
-def test_kv_heads_fewer_than_tp_are_replicated_and_said():
+def test_kv_heads_fewer_than_tp_are_duplicated_or_replicated_and_said():
     assert check_divides(make_layout("tp", 2), CFG) == []
     (note,) = check_divides(make_layout("tp", 4), CFG)
-    assert "2 KV heads do not split 4 ways" in note
+    assert "2 KV heads duplicated 2x to 4: one per device" in note
+    (note,) = check_divides(make_layout("tp-kv-replicated", 4), CFG)
+    assert "2 KV heads whole on every device" in note
+    three_kv = ModelConfig.from_hf({**_raw(), "num_attention_heads": 12, "num_key_value_heads": 3})
+    (note,) = check_divides(make_layout("tp", 4), three_kv)   # 4 is not a multiple of 3: replicated
+    assert "3 KV heads whole on every device" in note
 
 
 def test_candidate_layouts_cover_tp_sizes_and_rule_sets_that_divide():
     names = [layout.name for layout in candidate_layouts(CFG, 8)]
     assert names == ["tp dp=8 tp=1", "tp dp=4 tp=2", "tp dp=2 tp=4", "tp dp=1 tp=8",
                      "tp-vocab-replicated dp=4 tp=2", "tp-vocab-replicated dp=2 tp=4",
-                     "tp-vocab-replicated dp=1 tp=8"]
+                     "tp-vocab-replicated dp=1 tp=8",
+                     "tp-kv-replicated dp=4 tp=2", "tp-kv-replicated dp=2 tp=4", "tp-kv-replicated dp=1 tp=8"]
     six_heads = ModelConfig.from_hf({**_raw(), "num_attention_heads": 6, "num_key_value_heads": 2})
     assert [lay.tp for lay in candidate_layouts(six_heads, 4) if lay.rules_name == "tp"] == [1, 2]
 
