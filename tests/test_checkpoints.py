@@ -12,7 +12,6 @@ from safetensors.numpy import load_file, save_file
 
 from checkpoints import load_model, orbax_io, resolve_model_dir
 from hf_models import make_hf_model
-from jaxserve.config import ModelConfig
 from jaxserve.model import weights as W
 from jaxserve.sharding import make_mesh
 

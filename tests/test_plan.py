@@ -113,7 +113,8 @@ def test_sweep_ranks_fitting_layouts_by_tokens_per_chip():
     plans = sweep(cfg, parse_target("tpu-v6e:2x2"), EngineConfig(max_num_batched_tokens=32, max_model_len=128),
                   "bfloat16", batch=8, context=128)
     assert {p.layout for p in plans} == {"tp dp=4 tp=1", "tp dp=2 tp=2", "tp dp=1 tp=4",
-                                         "tp-vocab-replicated dp=2 tp=2", "tp-vocab-replicated dp=1 tp=4"}
+                                         "tp-vocab-replicated dp=2 tp=2", "tp-vocab-replicated dp=1 tp=4",
+                                         "tp-kv-replicated dp=2 tp=2", "tp-kv-replicated dp=1 tp=4"}
     from jaxserve.plan import decode_tokens_per_chip
     rates = [decode_tokens_per_chip(p, 8) for p in plans if p.fits]
     assert rates == sorted(rates, reverse=True) and all(r > 0 for r in rates)

@@ -45,3 +45,17 @@ def test_every_serving_program_compiles_for_tpu(target, tp, family):
             text = compiled.as_text()
             assert "tpu_custom_call" in text, program.name            # the kernel, not a jnp fallback
             assert "all-reduce" in text, program.name                 # TP: partial sums meet
+
+
+def test_widest_sampler_fits_in_small_temporaries_on_tpu():
+    """The sampler's inputs (256 rows x a 16384-id penalty table) arrive as one packed buffer; on TPU
+    a flat buffer cost 256 bytes of temporaries per word in relayouts (4 GiB here). Packed by rows
+    it costs about the logits' own working set."""
+    from jaxserve.programs import Program
+    cfg = ModelConfig.from_hf({**FAMILIES["qwen3"], "vocab_size": 151936})
+    engine = EngineConfig(max_num_seqs=256, max_num_batched_tokens=256, max_model_len=8192, num_kv_pages=64)
+    mesh = make_mesh(1, 1, parse_target("tpu-v6e:1x1").devices())
+    compiled = lower_program(Program("sample", rows=256, history=16384), cfg, engine, mesh, "bfloat16",
+                             make_attention("auto", cfg, mesh)).compile()
+    logits_bytes = 256 * 151936 * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < 6 * logits_bytes  # 0.9 GiB; flat packing: 4 GiB
