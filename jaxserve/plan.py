@@ -20,6 +20,7 @@ import dataclasses
 import math
 import os
 import re
+import time
 from typing import Any
 
 import jax
@@ -182,8 +183,6 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     sequence has in cache for the step estimates (default: max_model_len); `programs`: which
     programs to compile ("serving" or "all"; see _programs_to_compile); `compile_layers`: compile
     a copy of the model this deep (faster; what scales with depth is scaled back)."""
-    import time
-
     dtype = jnp.dtype(dtype)
     notes = check_divides(layout, model)
     rules = layout.rules
