@@ -87,11 +87,11 @@ def plot_plan(plan: DevicePlan, path: Path) -> None:
 
 def plot_sweep(plans: list[DevicePlan], batch: int, path: Path) -> None:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(6, len(plans) * 0.9), 4))
-    names = [p.layout.replace(" ", "\n") for p in plans]
-    values = [decode_tokens_per_chip(p, batch) for p in plans]
-    ax.bar(names, values, color=["tab:green" if p.fits else "tab:gray" for p in plans])
-    ax.set_ylabel(f"decode tokens/s per chip at batch {batch}")
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(plans)))
+    ranked = plans[::-1]  # best on top
+    ax.barh([p.layout for p in ranked], [decode_tokens_per_chip(p, batch) for p in ranked],
+            color=["tab:green" if p.fits else "tab:gray" for p in ranked])
+    ax.set_xlabel(f"decode tokens/s per chip, up to {batch} sequences per replica (roofline)")
     ax.set_title(f"{plans[0].target}: layouts (gray: does not fit)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
