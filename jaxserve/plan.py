@@ -216,54 +216,36 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     attention = make_attention(resolved.attention_backend, model, mesh, rules)
     b = min(batch or resolved.max_num_seqs, resolved.max_num_seqs)
     decode_bucket = choose_bucket(declared_buckets(resolved), b, b)  # its collectives are reported
-    page_bytes, fixed, slope, code, decode_hlo, compile_s = per_token * resolved.page_size, est_temp, 0.0, 0, "", 0.0
-    compiled_ok, program_temps = False, {}
+    page_bytes, fixed, slope, code, colls, compile_s, program_temps = (
+        per_token * resolved.page_size, est_temp, 0.0, 0, [], 0.0, {})
+    compiled_ok = False
     if compile_programs:
         start = time.perf_counter()
-        # A shallower copy of the model compiles faster; per-layer costs are scaled back to depth.
-        depth = min(model.num_layers, compile_layers or model.num_layers)
-        shallow = _with_layers(model, depth)
-        scale = model.num_layers / depth
         try:
-            costs = _map_threads(lambda p: program_memory(p, shallow, resolved, mesh, dtype, attention, rules),
-                                 to_compile)
+            cal = _calibrate(to_compile, model, resolved, mesh, dtype, attention, rules, compile_layers, decode_bucket)
             compiled_ok = True
         except ValueError as e:  # a program that does not fit the device even with a tiny pool
             notes.append(str(e))
         compile_s = time.perf_counter() - start
     if compiled_ok:
-        page_bytes = max(c.page_bytes for c in costs) * scale or page_bytes
-        code = int(max(c.code_bytes for c in costs) * scale)  # layers are unrolled: code grows with depth
-        decode_hlo = next(c.hlo for p, c in zip(to_compile, costs) if (p.tokens, p.rows) == decode_bucket)
+        fixed, slope, code, colls = cal.temp_fixed, cal.temp_per_page, cal.code, cal.colls
+        page_bytes = cal.page_bytes or page_bytes  # a target that reports no argument sizes: logical bytes
+        notes += cal.notes
         if page_bytes > per_token * resolved.page_size * 1.01:
             notes.append(f"a KV page takes {page_bytes / (per_token * resolved.page_size):.2f}x its logical bytes on "
                          f"{chip.device_kind} (tile padding of the [page, kv_heads, head_dim] minor dims)")
-        worst = max(costs, key=lambda c: c.temp_at(resolved.num_kv_pages))
-        fixed, slope = worst.temp_fixed, worst.temp_per_page * scale
-        if slope > 0:
-            notes.append(f"{worst.name} copies the KV pool: its temporaries grow by {slope:.0f} bytes per page")
-        if depth < model.num_layers:
-            notes.append(f"compiled {depth} of {model.num_layers} layers: KV page bytes, code and per-layer "
-                         f"collectives are scaled to depth, temporaries taken as compiled (layers run in turn)")
-        # the pool that fits: pages x (page + per-page temporaries) + fixed costs <= usable
         if sized_from_memory:  # the pool serving would take, with pages as the target lays them out
             room = usable - weight_bytes - code - fixed
             pages = capacity.stable_page_count(max(0, int(room // (page_bytes + slope))))
             resolved = dataclasses.replace(resolved, num_kv_pages=max(1, min(resolved.num_kv_pages, pages)))
         pool_bytes = int(resolved.num_kv_pages * page_bytes)
-        program_temps = {c.name: int(c.temp_at(resolved.num_kv_pages)) for c in costs}
+        program_temps = {c.name: int(c.temp_at(resolved.num_kv_pages)) for c in cal.costs}
+    # the pool that fits: pages x (page + per-page temporaries) + fixed costs <= usable
     temp = int(fixed + slope * resolved.num_kv_pages)
     total = weight_bytes + pool_bytes + temp + code
     max_pages = max(0, int((usable - weight_bytes - code - fixed) // (page_bytes + slope)))
     max_pool = int(max_pages * page_bytes)
     max_tokens = max_pages * resolved.page_size
-    colls = collectives_in(decode_hlo)
-    if compiled_ok and depth < model.num_layers:
-        # one layer fewer tells the per-layer collectives from the rest (embedding, lm_head)
-        fewer = collectives_in(_compiled_memory(Program("forward", *decode_bucket), _with_layers(model, depth - 1),
-                                                dataclasses.replace(resolved, num_kv_pages=64), mesh, dtype,
-                                                attention, rules)[3]) if depth > 1 else []
-        colls = _extrapolate(colls, fewer, depth, model.num_layers)
     steps = _step_estimates(model, chip, layout, resolved, dtype, weight_bytes, per_token, colls, decode_bucket[0],
                             context or resolved.max_model_len, resolved.num_kv_pages * resolved.page_size, batch)
     fits = total <= usable and (compiled_ok or not compile_programs)
@@ -283,6 +265,46 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
         programs_compiled=len(to_compile) if compile_programs else 0, compile_seconds=compile_s,
         program_temps=program_temps,
         collectives=colls, steps=steps, notes=notes, advice=advice)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What compiling the programs for the target measured, scaled to the model's depth."""
+
+    costs: list["ProgramMemory"]
+    page_bytes: float          # one KV page as the target lays it out
+    temp_fixed: float          # the costliest program's temporaries at zero pages...
+    temp_per_page: float       # ...and per page of pool
+    code: int
+    colls: list[Collective]    # of the decode program
+    notes: list[str]
+
+
+def _calibrate(programs: list[Program], model: ModelConfig, engine: EngineConfig, mesh: jax.sharding.Mesh,
+               dtype: Any, attention: Any, rules: sharding.Rules, compile_layers: int | None,
+               decode_bucket: tuple[int, int]) -> Calibration:
+    """Compiles `programs` (a copy of the model `compile_layers` deep: the layers are unrolled, so
+    compile time grows with depth while temporaries do not) and scales what grows with depth."""
+    depth = min(model.num_layers, compile_layers or model.num_layers)
+    scale = model.num_layers / depth
+    shallow = _with_layers(model, depth)
+    costs = _map_threads(lambda p: program_memory(p, shallow, engine, mesh, dtype, attention, rules), programs)
+    worst = max(costs, key=lambda c: c.temp_at(engine.num_kv_pages))
+    notes = []
+    if worst.temp_per_page > 0:
+        notes.append(f"{worst.name} copies the KV pool: its temporaries grow by {worst.temp_per_page * scale:.0f} "
+                     "bytes per page")
+    colls = collectives_in(next(c.hlo for p, c in zip(programs, costs) if (p.tokens, p.rows) == decode_bucket))
+    if depth < model.num_layers:
+        notes.append(f"compiled {depth} of {model.num_layers} layers: KV page bytes, code and per-layer "
+                     f"collectives are scaled to depth, temporaries taken as compiled (layers run in turn)")
+        # one layer fewer tells the per-layer collectives from the rest (embedding, lm_head)
+        fewer = collectives_in(_compiled_memory(Program("forward", *decode_bucket), _with_layers(model, depth - 1),
+                                                dataclasses.replace(engine, num_kv_pages=64), mesh, dtype,
+                                                attention, rules)[3]) if depth > 1 else []
+        colls = _extrapolate(colls, fewer, depth, model.num_layers)
+    return Calibration(costs, max(c.page_bytes for c in costs) * scale, worst.temp_fixed,
+                       worst.temp_per_page * scale, int(max(c.code_bytes for c in costs) * scale), colls, notes)
 
 
 @dataclasses.dataclass(frozen=True)
