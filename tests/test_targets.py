@@ -109,3 +109,11 @@ def _raw() -> dict:
     return {"architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
             "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
             "max_position_embeddings": 512}
+
+
+def test_plan_help_names_every_rule_set():
+    from jaxserve import cli
+    from jaxserve.layouts import RULE_SETS
+    plan = cli.build_parser()._subparsers._group_actions[0].choices["plan"]
+    help_text = "".join(plan.format_help().split())  # argparse wraps lines at hyphens
+    assert all(name in help_text for name in RULE_SETS)
