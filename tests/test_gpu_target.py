@@ -81,8 +81,9 @@ def test_gpu_devices_rejects_unknown_chip_and_bad_topology():
         gpu_target.gpu_devices("h200", "1x0x8")
 
 
-@pytest.mark.skipif(gpu_target.cuda_plugin_installed(), reason="the CUDA plugin is installed here")
-def test_gpu_devices_without_the_cuda_plugin_names_the_extra():
+def test_gpu_devices_without_the_cuda_plugin_names_the_extra(monkeypatch):
+    # Runs in every environment: where the plugin is installed, pretend it is not.
+    monkeypatch.setattr(gpu_target, "cuda_plugin_installed", lambda: False)
     with pytest.raises(ImportError, match=re.escape("pip install 'jaxserve[gpu]'")) as info:
         gpu_target.gpu_devices("h100", "1x1x8")
     assert isinstance(info.value, gpu_target.GpuTargetUnavailable)
