@@ -263,7 +263,7 @@ def work_items(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "sliding_window", "soft_cap", "block_q", "block_kv", "pages_per_block",
+        "sm_scale", "sliding_window", "soft_cap", "block_q", "block_kv",
         "num_warps", "num_stages", "interpret",
     ),
 )
@@ -281,7 +281,6 @@ def ragged_paged_attention_gpu(
     soft_cap: float | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
-    pages_per_block: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
@@ -289,15 +288,14 @@ def ragged_paged_attention_gpu(
     """Ragged paged attention on GPU (see docs/CONTRACTS.md); `interpret` runs on any backend.
 
     Tuning knobs (static, powers of two; None picks a default that fits shared memory):
-    `block_q` token rows per q tile, `block_kv` keys per kv block (or `pages_per_block`, the same
-    as block_kv = pages_per_block * page_size), Triton's `num_warps` and `num_stages`.
+    `block_q` token rows per q tile, `block_kv` keys per kv block (whole pages when it is at least
+    the page size, else a slice of one page), Triton's `num_warps` and `num_stages`.
     """
     dims = check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
     )
-    for name, value in (("block_q", block_q), ("block_kv", block_kv),
-                        ("pages_per_block", pages_per_block), ("num_warps", num_warps),
+    for name, value in (("block_q", block_q), ("block_kv", block_kv), ("num_warps", num_warps),
                         ("num_stages", num_stages)):
         check_block_arg(name, value)
     if not supports(head_dim=dims.head_dim, page_size=dims.page_size):
@@ -305,31 +303,25 @@ def ragged_paged_attention_gpu(
             f"GPU kernel needs a power-of-two head_dim in [{_MIN_DOT}, {MAX_HEAD_DIM}] and a "
             f"power-of-two page_size; got head_dim={dims.head_dim}, page_size={dims.page_size}"
         )
-    if block_kv is not None and pages_per_block is not None:
-        raise ValueError(
-            f"give block_kv or pages_per_block, not both (block_kv={block_kv}, "
-            f"pages_per_block={pages_per_block})"
-        )
     T, H, D = q.shape
     KVH, G, S, MP = dims.num_kv_heads, dims.group, dims.max_seqs, dims.max_pages_per_seq
     ps = dims.page_size
     gp = next_power_of_two(G)
-    for name, value in (("block_q", block_q), ("block_kv", block_kv),
-                        ("pages_per_block", pages_per_block)):
+    for name, value in (("block_q", block_q), ("block_kv", block_kv)):
         if value is not None and not is_power_of_two(value):
             raise ValueError(f"{name} must be a power of two, got {value}")
     itemsize = jnp.dtype(q.dtype).itemsize
     bq, bk = choose_blocks(
         num_tokens=T, max_seqs=S, group_p=gp, head_dim=D, page_size=ps, itemsize=itemsize,
         num_stages=num_stages, block_q=block_q,
-        block_kv=block_kv or (pages_per_block and pages_per_block * ps),
+        block_kv=block_kv,
     )
     npb = max(1, bk // ps)
     if not interpret:
         if bq * gp < _MIN_DOT or bk < _MIN_DOT:
             raise ValueError(
-                f"block_q * group ({bq * gp}) and block_kv ({bk} keys; pages_per_block * "
-                f"page_size when given in pages) must be >= {_MIN_DOT} for Triton dots"
+                f"block_q * group ({bq * gp}) and block_kv ({bk} keys) must be >= {_MIN_DOT} "
+                f"for Triton dots"
             )
         smem = shared_memory_bytes(block_q=bq, group_p=gp, block_kv=bk, head_dim=D,
                                    itemsize=itemsize, num_stages=num_stages)
@@ -341,7 +333,7 @@ def ragged_paged_attention_gpu(
                 f"{MAX_SHARED_MEMORY} one block may use (sm_90): block_q={bq}, block_kv={bk} "
                 f"({layout}), num_stages={num_stages}, with group={G} (padded to {gp}), "
                 f"head_dim={D}, dtype={jnp.dtype(q.dtype).name}; use a smaller block_q, "
-                f"block_kv / pages_per_block or num_stages"
+                f"block_kv or num_stages"
             )
     num_items = -(-T // bq) + S
     work = work_items(cu_q_lens, seq_lens, num_seqs, block_q=bq, num_items=num_items)

@@ -16,7 +16,7 @@ DECODE = [(1, 3), (1, 4), (1, 9), (1, 16), (1, 1)]
 CHUNKS = [(7, 7), (6, 13), (2, 16)]
 SMALL = dict(num_kv_heads=2, head_dim=16, page_size=4)
 # Several q tiles per sequence and several kv blocks per tile.
-BLOCKS = dict(block_q=2, pages_per_block=1)
+BLOCKS = dict(block_q=2, block_kv=4)  # one 4-token page per kv block
 
 
 def _check(case, *, dtype=jnp.float32, rtol=1e-5, interpret=True, kernel_kw=None, **kw):
