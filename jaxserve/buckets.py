@@ -1,4 +1,6 @@
-"""Every declared step shape: token and sequence buckets of the forward, history widths of the sampler.
+"""Every declared step shape: token and sequence buckets of the forward, history widths of the sampler,
+and the list of programs they make (`serving_programs`: what warm-up compiles and `jaxserve plan`
+lowers).
 
 Pure Python (no jax): the capacity planner counts programs with it, step_inputs pads to it, the
 model runner compiles exactly these shapes at warm-up.
@@ -10,9 +12,13 @@ server's steps pad by at most 2x.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import TYPE_CHECKING, Any, Sequence
 
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+
+if TYPE_CHECKING:
+    from jaxserve.config import EngineConfig, ModelConfig
 
 BUCKET_FACTOR = 4
 MIN_TOKEN_BUCKET = 16
@@ -91,3 +97,31 @@ def history_bucket(n: int, vocab_size: int | None = None) -> int:
     while h < n:
         h *= HISTORY_FACTOR
     return h if vocab_size is None else min(h, vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program of the serving set."""
+
+    kind: str          # "forward" | "sample" | "copy"
+    tokens: int = 0    # forward: T
+    rows: int = 0      # forward / sample: S
+    history: int = 0   # sample: H (width of the penalty / bias table)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "forward":
+            return f"forward T={self.tokens} S={self.rows}"
+        if self.kind == "sample":
+            return f"sample S={self.rows} H={self.history}"
+        return "page copy"
+
+
+def serving_programs(engine_cfg: "EngineConfig", model_cfg: "ModelConfig") -> list[Program]:
+    """Every program warm-up compiles, in warm-up order (engine_cfg resolved: capacity.py)."""
+    buckets = declared_buckets(engine_cfg)
+    rows = sorted({s for _, s in buckets})
+    hist = history_buckets(engine_cfg.max_model_len, model_cfg.vocab_size)
+    return ([Program("forward", t, s) for t, s in buckets]
+            + [Program("sample", rows=s, history=h) for s in rows for h in hist]
+            + [Program("copy")])

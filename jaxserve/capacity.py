@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxserve.buckets import declared_buckets, history_buckets
+from jaxserve.buckets import declared_buckets, serving_programs
 from jaxserve.config import EngineConfig, ModelConfig
 
 GIB = 1024 ** 3
@@ -228,7 +228,7 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
                                    max_num_batched_tokens=max_num_batched_tokens, num_kv_pages=int(num_pages),
                                    memory_utilization=utilization)
     buckets = declared_buckets(resolved)
-    num_programs = count_programs(resolved, model)
+    num_programs = len(serving_programs(resolved, model))
     pool_bytes = int(num_pages) * page_bytes
     lines = [
         f"machine: {machine.platform} ({machine.device_kind}), {_gib(machine.memory_per_device)} per device, "
@@ -245,13 +245,6 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
         *adjustments,
     ]
     return Capacity(resolved, pool_bytes, temp, num_programs, tuple(lines))
-
-
-def count_programs(cfg: EngineConfig, model: ModelConfig) -> int:
-    """Programs the model runner compiles at warm-up: one forward per (T, S) bucket, one sampler
-    per (S, history width), one page copy."""
-    buckets = declared_buckets(cfg)
-    return len(buckets) + len({s for _, s in buckets}) * len(history_buckets(cfg.max_model_len, model.vocab_size)) + 1
 
 
 def _padding_bound(cfg: EngineConfig) -> float:

@@ -17,7 +17,7 @@ from jaxserve.capacity import MachineInfo
 
 def machine_info(mesh: Mesh) -> MachineInfo:
     device = mesh.devices.flat[0]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cpu_cores()
     platform = "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
     if platform == "cpu":
         return MachineInfo("cpu", cpu_model_name(), available_ram(), 0, cores, cpu_isa())
@@ -27,6 +27,11 @@ def machine_info(mesh: Mesh) -> MachineInfo:
                          "--kv-cache-memory")
     return MachineInfo(platform, device.device_kind, int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0)),
                        cores)
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def available_ram() -> int:

@@ -34,8 +34,9 @@ from jaxserve.model.attention import make_attention
 from jaxserve.model.kv_heads import duplicate_kv_heads
 from jaxserve.model.weights import Weights
 from jaxserve.packing import pack
-from jaxserve.programs import (Program, copy_step, copy_width, dummy_arrays, dummy_sampling, forward_step,
-                               lower_program, rows_width, sample_step, serving_programs)
+from jaxserve.buckets import Program, serving_programs
+from jaxserve.programs import (copy_step, copy_width, dummy_arrays, dummy_sampling, forward_step, lower_program,
+                               rows_width, sample_step)
 from jaxserve.sampler import SamplerOutput, SamplingTensors
 from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs
 

@@ -34,7 +34,8 @@ from jaxserve.layouts import Layout, check_divides
 from jaxserve.model import weights as weights_mod
 from jaxserve.model.attention import make_attention
 from jaxserve.model.kv_heads import duplicated_config, kv_duplication
-from jaxserve.programs import Program, lower_program, serving_programs
+from jaxserve.buckets import Program, serving_programs
+from jaxserve.programs import lower_program
 from jaxserve.targets import Target
 
 DECODE_BATCHES = (1, 8, 64)          # plus max_num_seqs

@@ -6,7 +6,7 @@ the cache key is the static config plus the input shapes and shardings):
   sample_step  (bucket S x H): penalties/temperature/top-k/top-p/min-p -> token ids, logprobs
   copy_step: copy-on-write page copies (prefix caching)
 
-`serving_programs(engine_cfg, model_cfg)` lists every program warm-up compiles; `lower_program`
+`buckets.serving_programs(engine_cfg, model_cfg)` lists every program warm-up compiles; `lower_program`
 lowers one of them from shapes alone (`ShapeDtypeStruct`s derived from `weights.abstract(cfg)` and
 the KV pool's declaration) for any mesh, real or compile-only (targets.py): no weights, no device
 memory. `jaxserve plan` compiles them for a TPU or GPU it does not have.
@@ -16,7 +16,6 @@ Step inputs arrive packed in one int32 buffer (packing.py): one transfer per pro
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -25,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxserve import kv_cache, sharding
-from jaxserve.buckets import declared_buckets, history_buckets
+from jaxserve.buckets import Program, declared_buckets
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model import weights as weights_mod
 from jaxserve.model.paged import forward_paged
@@ -53,34 +52,6 @@ def _sample_and_keep(logits: jax.Array, packed: jax.Array, spec: PackSpec, vocab
 
 sample_step = jax.jit(_sample_and_keep, static_argnames=("spec", "vocab_size", "width"))
 copy_step = jax.jit(kv_cache.copy_pages, donate_argnums=(0,))
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """One compiled program of the serving set."""
-
-    kind: str          # "forward" | "sample" | "copy"
-    tokens: int = 0    # forward: T
-    rows: int = 0      # forward / sample: S
-    history: int = 0   # sample: H (width of the penalty / bias table)
-
-    @property
-    def name(self) -> str:
-        if self.kind == "forward":
-            return f"forward T={self.tokens} S={self.rows}"
-        if self.kind == "sample":
-            return f"sample S={self.rows} H={self.history}"
-        return "page copy"
-
-
-def serving_programs(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> list[Program]:
-    """Every program warm-up compiles, in warm-up order (engine_cfg resolved: capacity.py)."""
-    buckets = declared_buckets(engine_cfg)
-    rows = sorted({s for _, s in buckets})
-    hist = history_buckets(engine_cfg.max_model_len, model_cfg.vocab_size)
-    return ([Program("forward", t, s) for t, s in buckets]
-            + [Program("sample", rows=s, history=h) for s in rows for h in hist]
-            + [Program("copy")])
 
 
 def rows_width(engine_cfg: EngineConfig) -> int:

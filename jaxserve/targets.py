@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import re
 from typing import Mapping
 
@@ -150,9 +149,9 @@ def cpu_chip() -> Chip:
     """This machine as a target: RAM available now, the nominal f32 rate of its cores (capacity.py)
     and a nominal DRAM bandwidth (not measured: the roofline of a CPU plan is indicative)."""
     from jaxserve.capacity import CPU_FLOPS_PER_CORE
-    from jaxserve.machine import available_ram, cpu_isa, cpu_model_name
+    from jaxserve.machine import available_ram, cpu_cores, cpu_isa, cpu_model_name
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cpu_cores()
     rate = CPU_FLOPS_PER_CORE[cpu_isa()] * cores
     return Chip("cpu", "cpu", cpu_model_name(), available_ram(), CPU_DRAM_BANDWIDTH,
                 {"float32": rate, "bfloat16": rate}, 0.0, f"this machine ({cores} cores, {cpu_isa()})")

@@ -8,6 +8,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from jaxserve.quiet import quiet_libtpu  # noqa: E402
+
+quiet_libtpu()  # compile-only TPU targets (libtpu is in the test extra): no metadata queries, no lock file
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -50,7 +50,7 @@ def test_cpu_defaults_follow_the_model_flops():
     assert cap.kv_pool_bytes == e.num_kv_pages * 16 * 4096
     assert e.resolved_token_buckets() == (16, 64, 256, 1024, 2048)
     assert e.resolved_seq_buckets() == (4, 16, 64, 128, 256)
-    assert cap.num_programs == capacity.count_programs(e, TINY)
+    assert cap.num_programs == 5 * 5 + 5 * 4 + 1 - 5  # 20 forwards (S <= T), 5 rows x 4 history widths, copy
     text = "\n".join(cap.lines)
     for needle in ("KV pool: 32768 pages", "max_num_seqs 256", "max_num_batched_tokens 2048", "forward programs",
                    "pads to <= 4.0 n"):
@@ -174,7 +174,7 @@ def test_temporaries_estimate_covers_xla_memory_analysis(tiny):
     core = EngineCore(cfg, weights, EngineConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64,
                                                  num_kv_pages=64), make_mesh(1, 1))
     from jaxserve.buckets import history_buckets
-    from jaxserve.programs import Program
+    from jaxserve.buckets import Program
     t, s = max(core.runner.builder.buckets)
     widest = max(history_buckets(core.engine_cfg.max_model_len, cfg.vocab_size))
     forward = core.runner.compile(Program("forward", t, s)).memory_analysis().temp_size_in_bytes

@@ -109,7 +109,7 @@ def test_kv_pages_are_donated_and_never_copied(qwen3):
 
     def step_memory(num_pages: int):
         c = make_core(cfg, weights, num_kv_pages=num_pages)
-        from jaxserve.programs import Program
+        from jaxserve.buckets import Program
         return c.runner.compile(Program("forward", 8, 8)).memory_analysis(), capacity.kv_bytes_per_token(cfg, 4) * 4 * num_pages
 
     small, small_pool = step_memory(32)

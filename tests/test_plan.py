@@ -16,7 +16,7 @@ from jaxserve.engine import EngineCore
 from jaxserve.layouts import make_layout
 from jaxserve.model.weights import init_random
 from jaxserve.plan import collectives_in, plan_deployment, sweep
-from jaxserve.programs import Program
+from jaxserve.buckets import Program
 from jaxserve.sharding import make_mesh
 from jaxserve.targets import parse_target
 

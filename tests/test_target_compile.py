@@ -9,7 +9,8 @@ import pytest
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layouts import make_layout
 from jaxserve.model.attention import make_attention
-from jaxserve.programs import lower_program, serving_programs
+from jaxserve.buckets import serving_programs
+from jaxserve.programs import lower_program
 from jaxserve.sharding import make_mesh
 from jaxserve.targets import parse_target
 
@@ -51,7 +52,7 @@ def test_widest_sampler_fits_in_small_temporaries_on_tpu():
     """The sampler's inputs (256 rows x a 16384-id penalty table) arrive as one packed buffer; on TPU
     a flat buffer cost 256 bytes of temporaries per word in relayouts (4 GiB here). Packed by rows
     it costs about the logits' own working set."""
-    from jaxserve.programs import Program
+    from jaxserve.buckets import Program
     cfg = ModelConfig.from_hf({**FAMILIES["qwen3"], "vocab_size": 151936})
     engine = EngineConfig(max_num_seqs=256, max_num_batched_tokens=256, max_model_len=8192, num_kv_pages=64)
     mesh = make_mesh(1, 1, parse_target("tpu-v6e:1x1").devices())

@@ -8,56 +8,38 @@ attached, nothing runs. Each compile also checks, from the compiled HLO, that
   * XLA does not relayout (copy) the KV cache to feed the kernel.
 The matrix is a covering design: every value of every dimension appears at least once per target.
 """
+import functools
 import importlib
-import os
 import re
 
-# Compile-only libtpu on a machine without TPUs: no metadata server, a single local worker, and no
-# per-process lock (another process may hold libtpu too). Only when jax is pinned to the CPU (as
-# tests/conftest.py does), so a real TPU host keeps its own settings.
-if os.environ.get("JAX_PLATFORMS") == "cpu":
-    for _k, _v in {
-        "TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0",
-        "TPU_ACCELERATOR_TYPE": "v6e-4", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-    }.items():
-        os.environ.setdefault(_k, _v)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from rpa_cases import assert_close, fresh_rng, make_case
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
-from rpa_cases import assert_close, fresh_rng, make_case  # noqa: E402
-
-from kernels_pallas.ragged_paged_attention_reference import (  # noqa: E402
+from jaxserve.targets import parse_target
+from kernels_pallas.ragged_paged_attention_reference import (
     ragged_paged_attention_reference,
 )
 
 # kernels_pallas/__init__ re-exports the function under the module's name: import the module.
 rpa = importlib.import_module("kernels_pallas.ragged_paged_attention_tpu")
 
-_TOPOLOGIES = {  # target -> (topology name, chips_per_host_bounds)
-    "v5e": ("v5e:2x2", None),
-    "v6e": ("v6e:1x1", [1, 1, 1]),
-    "v5p": ("v5p:2x2x1", None),  # megacore: one device = two TensorCores
-}
-TARGETS = tuple(_TOPOLOGIES)
-_topology_cache: dict = {}
+# target -> the compile-only slice it is compiled on (jaxserve/targets.py; v5p is megacore: one
+# device = two TensorCores). libtpu is in the test extra: a missing one fails, it never skips.
+_TARGET_NAMES = {"v5e": "tpu-v5e:2x2", "v6e": "tpu-v6e:1x1", "v5p": "tpu-v5p:2x2x1"}
+TARGETS = tuple(_TARGET_NAMES)
 
 
-def _topology(target):
-    if target not in _topology_cache:
-        from jax.experimental import topologies
-
-        name, bounds = _TOPOLOGIES[target]
-        kw = {} if bounds is None else dict(chips_per_host_bounds=bounds)
-        # libtpu is in the test extra: a missing or broken one fails here, it never skips
-        _topology_cache[target] = topologies.get_topology_desc(name, "tpu", **kw)
-    return _topology_cache[target]
+@functools.cache
+def _device(target):
+    return parse_target(_TARGET_NAMES[target]).devices()[0]
 
 
 def _replicated(target):
-    return NamedSharding(Mesh(np.array(_topology(target).devices[:1]), ("x",)), PartitionSpec())
+    return NamedSharding(Mesh(np.array([_device(target)]), ("x",)), PartitionSpec())
 
 
 def _args(target, *, head_dim, kv_heads, group, page_size, dtype, tokens, max_seqs, context,
