@@ -196,3 +196,14 @@ def test_tpu_page_tables_bound_max_num_seqs_by_the_kernels_smem():
 
 
 TINY_LONG = dataclasses.replace(TINY, max_position_embeddings=32768)
+
+
+def test_tpu_page_table_bound_fits_the_kernels_smem_budget():
+    """capacity.py (no jax) keeps its own copy of the kernel's SMEM limit: the largest page tables
+    it allows, with the other scalars of a 256-row, 8192-token step, fit the kernel's budget."""
+    import importlib
+    rpa = importlib.import_module("kernels_pallas.ragged_paged_attention_tpu")
+    rows = 256
+    pages = capacity.TPU_PAGE_TABLE_ENTRIES // rows
+    assert rpa.smem_bytes(max_seqs=rows, max_pages_per_seq=pages, num_q_blocks=8192 // 16) <= rpa.SMEM_BUDGET_BYTES
+    assert rpa.smem_bytes(max_seqs=rows, max_pages_per_seq=pages * 2, num_q_blocks=1) > rpa.SMEM_BUDGET_BYTES
