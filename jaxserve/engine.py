@@ -186,6 +186,9 @@ class RequestStream:
         self.loop = loop
         self._open = request.params.n         # samples not yet finished, as the consumer sees them
         self.closed_samples: set[int] = set()  # finished samples, as the engine sees them (its lock)
+        # Samples the consumer ended (Engine.finish): their tokens still queued are dropped here. Not
+        # closed_samples, which also holds samples that finished on their own ahead of the queue.
+        self.ended_by_consumer: set[int] = set()
 
     def deliver(self, event: TokenEvent) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -193,6 +196,8 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         while self._open:
             event = await self.queue.get()
+            if event.finish_reason is None and event.sample_index in self.ended_by_consumer:
+                continue  # queued before the consumer ended this sample (Engine.finish)
             if event.finish_reason is not None:
                 self._open -= 1
             yield event
@@ -260,6 +265,7 @@ class Engine:
                 ended = [i for i in (range(n) if sample_index is None else [sample_index])
                          if i not in stream.closed_samples]
                 stream.closed_samples.update(ended)
+                stream.ended_by_consumer.update(ended)
                 if len(stream.closed_samples) == n:
                     del self._streams[request_id]
         for i in ended:

@@ -222,3 +222,32 @@ def test_threaded_engine_stream_ends_after_finish_and_is_dropped(tmp_path):
     sample1 = [e for e in events if e.sample_index == 1]
     assert len(sample1) == 40 and sample1[-1].finish_reason is FinishReason.LENGTH
     assert "f" not in engine._streams
+
+
+def test_tokens_already_queued_when_the_consumer_finishes_a_sample_are_dropped():
+    """The engine thread may queue a sample's next token before the consumer's Engine.finish takes
+    effect; the stream drops it, so the consumer sees STOP right after the last token it read."""
+    import asyncio
+
+    from jaxserve.engine import RequestStream
+    from jaxserve.request import FinishReason, Request, TokenEvent
+    from jaxserve.sampling_params import SamplingParams
+
+    async def run():
+        stream = RequestStream(Request("r", [1, 2], SamplingParams(n=2, max_tokens=8)), asyncio.get_running_loop())
+        for tok in (5, 6, 7):
+            stream.queue.put_nowait(TokenEvent("r", 0, tok, None, None, None, 2, 0))
+        # sample 1 finished on its own: the engine closed it before its queued token was read
+        stream.closed_samples.add(1)
+        stream.queue.put_nowait(TokenEvent("r", 1, 9, None, None, None, 2, 0))
+        stream.queue.put_nowait(TokenEvent("r", 1, None, None, None, FinishReason.LENGTH, 2, 0))
+        seen = []
+        async for event in stream:
+            seen.append(event.token_id)
+            if event.token_id == 5:                       # the consumer ends the sample here...
+                stream.ended_by_consumer.add(0)           # (what Engine.finish does under its lock)
+                stream.queue.put_nowait(TokenEvent("r", 0, None, None, None, FinishReason.STOP, 2, 0))
+        return seen
+
+    # sample 0: 6 and 7, queued before the consumer ended it, never arrive; sample 1 loses nothing
+    assert asyncio.run(run()) == [5, 9, None, None]
