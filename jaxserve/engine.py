@@ -6,6 +6,9 @@ on the device, and only then waits for step n's sampled ids and applies them: th
 waits for the host's scheduling. Decodes whose previous token is still on the device read it there
 (see scheduler.py). A row with repetition/presence/frequency penalties needs its output ids on the
 host, so a step n that sampled such a row is finished before step n+1 is planned (`num_sync_steps`).
+A grammar-constrained row (structured output) needs its previous token for its token mask, but not
+for its forward: step n+1's forward is dispatched first, step n is applied while it runs, and
+n+1's sampler is dispatched with the masks once they are filled.
 Without async scheduling a step is schedule -> build -> dispatch -> wait -> update.
 `Engine` runs an `EngineCore` on one background thread and delivers each request's TokenEvents to
 an asyncio queue on the caller's event loop (`call_soon_threadsafe`). Nothing here decodes text:
@@ -33,19 +36,20 @@ from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import FinishReason, Request, TokenEvent
 from jaxserve.scheduler import SampledToken, Scheduler, SchedulerStats, StepPlan
 from jaxserve.sampler import SamplerOutput
-from jaxserve.step_inputs import needs_output_ids
+from jaxserve.step_inputs import StepInputs, constraint_bitmask, has_constrained_rows, needs_output_ids
 
 logger = logging.getLogger("jaxserve.engine")
 
 
 @dataclasses.dataclass
 class StepTimings:
-    """Seconds spent in the steps' phases: host scheduling, input building, device (dispatching the
+    """Seconds spent in the steps' phases: host scheduling, input building, grammar masks, device (dispatching the
     step plus waiting for its sampled ids; with async scheduling the wait is only the part not
     hidden behind planning the next step), and applying the ids."""
 
     schedule: float = 0.0
     build: float = 0.0
+    mask: float = 0.0       # grammar bitmasks of constrained rows (structured output)
     device: float = 0.0
     update: float = 0.0
     steps: int = 0
@@ -84,6 +88,9 @@ class EngineCore:
         a seed (a random one when it has none), so every sample row is reproducible."""
         params = request.params
         params.validate(self.model_cfg.vocab_size)
+        if params.structured_outputs is not None and request.grammar is None:
+            raise ValueError("structured_outputs needs the request's compiled grammar (Request.grammar); "
+                             "submit through the server or the LLM API, which compile it")
         if any(t >= self.model_cfg.vocab_size for t in request.prompt_token_ids):
             raise ValueError(f"prompt_token_ids contain ids outside the vocabulary (size {self.model_cfg.vocab_size})")
         if params.seed is None:
@@ -123,7 +130,14 @@ class EngineCore:
             self.num_sync_steps += 1
         plan = self._schedule()
         events += plan.finished
-        if plan.chunks:
+        if plan.chunks and prev is not None and has_constrained_rows(plan):
+            # A grammar's mask needs the token the previous step sampled: run this step's forward
+            # now, apply the previous step while it runs, then sample with the masks.
+            inputs, logits = self._dispatch_forward(plan, prev.plan)
+            events += self._complete(prev)
+            prev = None
+            self._inflight = self._dispatch_sample(plan, inputs, logits)
+        elif plan.chunks:
             self._inflight = self._dispatch(plan, prev.plan if prev is not None else None)
         if prev is not None:
             events += self._complete(prev)
@@ -137,14 +151,28 @@ class EngineCore:
 
     def _dispatch(self, plan: StepPlan, prev_plan: StepPlan | None) -> _InFlight:
         """Builds the step's inputs and launches it on the device; returns without waiting."""
+        return self._dispatch_sample(plan, *self._dispatch_forward(plan, prev_plan))
+
+    def _dispatch_forward(self, plan: StepPlan, prev_plan: StepPlan | None) -> tuple[StepInputs, Any]:
         t0 = time.perf_counter()
         inputs = self.runner.builder.build(plan, prev_plan)
         t1 = time.perf_counter()
-        out = self.runner.step(inputs)
+        logits = self.runner.forward(inputs)
         self.timings.build += t1 - t0
         self.timings.device += time.perf_counter() - t1
         self.num_prefill_tokens += sum(max(0, min(len(c.token_ids), len(c.request.prompt_token_ids) - c.start_pos))
                                        for c in plan.chunks)
+        return inputs, logits
+
+    def _dispatch_sample(self, plan: StepPlan, inputs: StepInputs, logits: Any) -> _InFlight:
+        """Launches the sampler; constrained rows get their grammar masks, computed from every token
+        applied so far (so the step that sampled their previous token must be complete)."""
+        t0 = time.perf_counter()
+        bitmask = constraint_bitmask(plan, inputs.sampling.num_rows, self.model_cfg.vocab_size)
+        t1 = time.perf_counter()
+        out = self.runner.sample(logits, inputs, bitmask)
+        self.timings.mask += t1 - t0
+        self.timings.device += time.perf_counter() - t1
         return _InFlight(plan, out)
 
     def _complete(self, step: _InFlight) -> list[TokenEvent]:

@@ -37,7 +37,7 @@ from jaxserve.packing import pack
 from jaxserve.buckets import Program, serving_programs
 from jaxserve.programs import (copy_step, copy_width, dummy_arrays, dummy_sampling, forward_step, lower_program,
                                rows_width, sample_step)
-from jaxserve.sampler import SamplerOutput, SamplingTensors
+from jaxserve.sampler import SamplerOutput, SamplingTensors, bitmask_words
 from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs
 
 logger = logging.getLogger("jaxserve.model_runner")
@@ -98,6 +98,7 @@ class ModelRunner:
         self._rows_width = rows_width(engine_cfg)
         # [rows_width] int32: the last dispatched step's sampled ids, on the device
         self._prev_ids = self._put(np.zeros(self._rows_width, np.int32))
+        self._all_allowed: dict[int, jax.Array] = {}  # rows -> [rows, W] int32 all-ones bitmask
         self.warmed_up = False
         self.compilations_after_warmup = 0
 
@@ -106,22 +107,39 @@ class ModelRunner:
     def _put(self, tree: Any) -> Any:
         return jax.device_put(tree, self._replicated)
 
-    def step(self, inputs: StepInputs) -> SamplerOutput:
+    def step(self, inputs: StepInputs, bitmask: np.ndarray | None = None) -> SamplerOutput:
         """Dispatches one step; returns device arrays (no host sync). Call `fetch` for numpy."""
+        return self.sample(self.forward(inputs), inputs, bitmask)
+
+    def forward(self, inputs: StepInputs) -> jax.Array:
+        """Dispatches the step's page copies and forward; returns the [S, V] logits (on the device).
+        Split from `sample` so that a step with grammar-constrained rows can run its forward while
+        the host still computes their token masks."""
         before = CompileCounter.count()
         if len(inputs.copies):
             self.kv = copy_step(self.kv, *self._put(self._pad_copies(inputs.copies)))
         logits, self.kv = self._forward(inputs.arrays)
-        out, self._prev_ids = self._sample(logits, inputs.sampling)
+        self._count_compilations(before, inputs)
+        return logits
+
+    def sample(self, logits: jax.Array, inputs: StepInputs, bitmask: np.ndarray | None = None) -> SamplerOutput:
+        """Dispatches the sampler over `forward`'s logits. bitmask: [S, W] int32 allowed-token bits
+        (structured output), or None when no row is constrained: a resident all-ones mask is
+        passed then, so such steps transfer nothing for it."""
+        before = CompileCounter.count()
+        out, self._prev_ids = self._sample(logits, inputs.sampling, bitmask)
         for leaf in out:
             leaf.copy_to_host_async()
+        self._count_compilations(before, inputs)
+        return out
+
+    def _count_compilations(self, before: int, inputs: StepInputs) -> None:
         if self.warmed_up and CompileCounter.count() != before:
             new = CompileCounter.count() - before
             self.compilations_after_warmup += new
             logger.error("%d compilation(s) after warm-up for step shape T=%d S=%d H=%d: a bucket is "
                          "missing from warm-up", new, inputs.arrays.token_ids.shape[0],
                          inputs.arrays.seq_lens.shape[0], inputs.sampling.table_ids.shape[1])
-        return out
 
     def _forward_args(self, arrays: StepArrays) -> dict[str, Any]:
         packed, spec = pack(arrays)
@@ -131,10 +149,19 @@ class ModelRunner:
     def _forward(self, arrays: StepArrays) -> tuple[jax.Array, kv_cache.KVPages]:
         return forward_step(self.weights, **self._forward_args(arrays))
 
-    def _sample(self, logits: jax.Array, tensors: SamplingTensors) -> tuple[SamplerOutput, jax.Array]:
+    def _sample(self, logits: jax.Array, tensors: SamplingTensors,
+                bitmask: np.ndarray | None = None) -> tuple[SamplerOutput, jax.Array]:
         packed, spec = pack(tensors)
-        return sample_step(logits, self._put(packed), spec=spec, vocab_size=self.model_cfg.vocab_size,
-                            width=self._rows_width)
+        rows = tensors.num_rows
+        if bitmask is None:
+            mask = self._all_allowed.get(rows)
+            if mask is None:
+                mask = self._all_allowed[rows] = self._put(
+                    np.full((rows, bitmask_words(self.model_cfg.vocab_size)), -1, np.int32))
+        else:
+            mask = self._put(bitmask)
+        return sample_step(logits, self._put(packed), mask, spec=spec, vocab_size=self.model_cfg.vocab_size,
+                           width=self._rows_width)
 
     def compile(self, program: Program) -> jax.stages.Compiled:
         """One serving program compiled from shapes alone (for memory and HLO inspection)."""

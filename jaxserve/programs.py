@@ -3,7 +3,7 @@
 Three jitted functions (module level, so runners of the same model config share compiled programs:
 the cache key is the static config plus the input shapes and shardings):
   forward_step (bucket T x S): embed -> layers over the donated KV pages -> logits of the S sample rows
-  sample_step  (bucket S x H): penalties/temperature/top-k/top-p/min-p -> token ids, logprobs
+  sample_step  (bucket S x H): grammar bitmask/penalties/temperature/top-k/top-p/min-p -> token ids, logprobs
   copy_step: copy-on-write page copies (prefix caching)
 
 `buckets.serving_programs(engine_cfg, model_cfg)` lists every program warm-up compiles; `lower_program`
@@ -30,7 +30,7 @@ from jaxserve.model import weights as weights_mod
 from jaxserve.model.paged import forward_paged
 from jaxserve.model.weights import Weights
 from jaxserve.packing import PackSpec, pack, unpack
-from jaxserve.sampler import SamplerOutput, SamplingTensors, sample
+from jaxserve.sampler import SamplerOutput, SamplingTensors, bitmask_words, sample
 from jaxserve.step_inputs import StepArrays
 
 
@@ -43,10 +43,12 @@ def _forward_packed(weights: Weights, kv: kv_cache.KVPages, packed: jax.Array, s
 forward_step = jax.jit(_forward_packed, static_argnames=("spec", "cfg", "attention_fn"), donate_argnames=("kv",))
 
 
-def _sample_and_keep(logits: jax.Array, packed: jax.Array, spec: PackSpec, vocab_size: int,
+def _sample_and_keep(logits: jax.Array, packed: jax.Array, bitmask: jax.Array, spec: PackSpec, vocab_size: int,
                      width: int) -> tuple[SamplerOutput, jax.Array]:
-    """sample(), plus its token ids padded to [width] for the next step's forward (prev_ids)."""
-    out = sample(logits, unpack(packed, spec), vocab_size)
+    """sample(), plus its token ids padded to [width] for the next step's forward (prev_ids).
+    bitmask: [S, bitmask_words(vocab_size)] int32, a separate argument (not packed) so that steps
+    without constrained rows pass one resident all-ones array and transfer nothing."""
+    out = sample(logits, unpack(packed, spec), vocab_size, bitmask)
     return out, jnp.pad(out.token_ids, (0, width - out.token_ids.shape[0]))
 
 
@@ -118,7 +120,9 @@ def lower_program(program: Program, model_cfg: ModelConfig, engine_cfg: EngineCo
         resolved = sharding.rules_for(weights_mod.logical_dims(model_cfg), mesh, rules)
         logits = jax.ShapeDtypeStruct((program.rows, model_cfg.padded_vocab_size), jnp.float32,
                                       sharding=NamedSharding(mesh, sharding.spec(None, "vocab", rules=resolved)))
-        return sample_step.lower(logits, packed, spec=spec, vocab_size=model_cfg.vocab_size,
+        bitmask = jax.ShapeDtypeStruct((program.rows, bitmask_words(model_cfg.vocab_size)), jnp.int32,
+                                       sharding=replicated)
+        return sample_step.lower(logits, packed, bitmask, spec=spec, vocab_size=model_cfg.vocab_size,
                                  width=rows_width(engine_cfg))
     index = jax.ShapeDtypeStruct((copy_width(engine_cfg),), jnp.int32, sharding=replicated)
     return copy_step.lower(kv, index, index)

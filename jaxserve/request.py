@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only for annotations; keeps this module importable on its own
     from jaxserve.sampling_params import SamplingParams
+    from jaxserve.structured.guide import CompiledGrammar, Guide
 
 
 @dataclasses.dataclass
@@ -21,6 +22,8 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()  # ignored when params.ignore_eos
     priority: int = 0                            # lower runs first under priority scheduling
     cache_salt: str | None = None                # per-tenant prefix-cache namespace
+    # params.structured_outputs compiled by the front end (server, LLM) before submitting
+    grammar: "CompiledGrammar | None" = None
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -75,6 +78,7 @@ class Sequence:
     # Async scheduling: tokens sampled by planned steps whose ids update() has not appended yet
     # (they are still on the device). The next decode can run on them through a placeholder.
     num_inflight: int = 0
+    guide: "Guide | None" = None       # its grammar state (structured output), advanced per token
 
     @property
     def num_prompt_tokens(self) -> int:

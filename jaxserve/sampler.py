@@ -5,6 +5,7 @@ seed, penalties, ...) never recompiles. The only things that select a compiled v
 the row bucket R, the logits width V, and the width H of the per-row token table below.
 
 Pipeline per row (the contract's order):
+  grammar bitmask (structured output; constrained rows only): disallowed tokens -> -inf
   vocab padding columns (>= vocab_size) -> -inf
   logit bias -> repetition penalty -> presence/frequency penalties      (one gather/scatter of H)
   temperature (rows with temperature 0 -- or below 1e-5, set to 0 by from_rows -- are greedy and
@@ -69,6 +70,7 @@ class SamplingRow(NamedTuple):
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int] = frozenset()  # banned with stop_token_ids until min_tokens
+    constrained: bool = False                    # a grammar's token bitmask applies to this row
 
 
 class SamplerOutput(NamedTuple):
@@ -134,6 +136,7 @@ class SamplingTensors(NamedTuple):
     table_output_counts: jax.Array # [R, H] i32, occurrences among output tokens
     table_seen: jax.Array          # [R, H] bool, occurs in prompt+output (repetition penalty)
     table_bias: jax.Array          # [R, H] f32, logit bias (-inf bans)
+    constrained: jax.Array         # [R] bool, the row's bitmask applies (structured output)
 
     @property
     def num_rows(self) -> int:
@@ -158,6 +161,7 @@ class SamplingTensors(NamedTuple):
         seed_words = np.zeros((num_rows, 2), np.uint32)
         num_out = np.zeros(num_rows, np.int32)
         num_logprobs = np.full(num_rows, -1, np.int32)
+        constrained = np.zeros(num_rows, bool)
         tables: list[tuple[int, tuple[np.ndarray, ...]]] = []
         for i, row in enumerate(rows):
             p = row.params
@@ -171,6 +175,7 @@ class SamplingTensors(NamedTuple):
             seed_words[i] = _seed_words(row.seed)
             num_out[i] = len(row.output_token_ids)
             num_logprobs[i] = -1 if p.logprobs is None else p.logprobs
+            constrained[i] = row.constrained
             table = _row_table(row, vocab_size)
             if table is not None:
                 tables.append((i, table))
@@ -184,7 +189,7 @@ class SamplingTensors(NamedTuple):
             table_ids[i, :n], table_counts[i, :n] = ids, counts
             table_seen[i, :n], table_bias[i, :n] = seen, biases
         return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, seed_words, num_out,
-                   num_logprobs, table_ids, table_counts, table_seen, table_bias)
+                   num_logprobs, table_ids, table_counts, table_seen, table_bias, constrained)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,10 +205,38 @@ def _check_shapes(logits: jax.Array, t: SamplingTensors, vocab_size: int) -> Non
         raise ValueError(f"vocab_size {vocab_size} must be in [1, logits width {logits.shape[1]}]")
 
 
-def process_logits(logits: jax.Array, t: SamplingTensors, vocab_size: int) -> jax.Array:
-    """[R, V] logits -> [R, V] f32 after vocab mask, bias, penalties and temperature (greedy: 1)."""
+def bitmask_words(vocab_size: int) -> int:
+    """Width of a token bitmask: one int32 word per 32 token ids (llguidance's layout)."""
+    return -(-vocab_size // 32)
+
+
+def apply_bitmask(x: jax.Array, bitmask: jax.Array | None, constrained: jax.Array) -> jax.Array:
+    """Tokens whose bit is 0 in a constrained row's [R, W] int32 mask -> -inf (bit j of word w is
+    token 32 w + j); unconstrained rows pass through. The unpacking runs under `lax.cond`, only in
+    batches with a constrained row. Columns past the mask are never allowed."""
+    if bitmask is None:
+        return x
+    r, v = x.shape
+
+    def masked() -> jax.Array:
+        shifts = jnp.arange(32, dtype=jnp.uint32)
+        words = jax.lax.bitcast_convert_type(bitmask, jnp.uint32)
+        bits = (words[:, :, None] >> shifts) & jnp.uint32(1)                    # [R, W, 32]
+        allowed = bits.reshape(r, -1) != 0                                       # [R, 32 W]
+        if allowed.shape[1] < v:
+            allowed = jnp.pad(allowed, ((0, 0), (0, v - allowed.shape[1])))
+        allowed = allowed[:, :v] | ~constrained[:, None]
+        return jnp.where(allowed, x, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(constrained), masked, lambda: x)
+
+
+def process_logits(logits: jax.Array, t: SamplingTensors, vocab_size: int,
+                   bitmask: jax.Array | None = None) -> jax.Array:
+    """[R, V] logits -> [R, V] f32 after the grammar's bitmask, vocab mask, bias, penalties and
+    temperature (greedy: 1)."""
     _check_shapes(logits, t, vocab_size)
-    x = logits.astype(jnp.float32)
+    x = apply_bitmask(logits.astype(jnp.float32), bitmask, t.constrained)
     col = jnp.arange(x.shape[1], dtype=jnp.int32)
     x = jnp.where(col[None, :] < vocab_size, x, -jnp.inf)
     if t.needs_history:
@@ -337,19 +370,21 @@ def argmax_rows(x: jax.Array, block: int = _DRAW_BLOCK) -> jax.Array:
     return (best_block * block + jnp.argmax(inside, axis=1)).astype(jnp.int32)
 
 
-def _greedy_ids(logits: jax.Array, t: SamplingTensors, vocab_size: int) -> jax.Array:
+def _greedy_ids(logits: jax.Array, t: SamplingTensors, vocab_size: int, bitmask: jax.Array | None) -> jax.Array:
     """[R] argmax of the processed logits of greedy rows. Dividing by a positive temperature keeps
     the argmax, so only the vocabulary cut and the table (bias, penalties) matter; slicing off the
     padding columns instead of masking them keeps the argmax a plain reduction over the logits
     (fused with a mask it runs ~20x slower on a CPU)."""
-    x = logits[:, :vocab_size].astype(jnp.float32)
+    x = apply_bitmask(logits[:, :vocab_size].astype(jnp.float32), bitmask, t.constrained)
     if t.needs_history:
         x = _apply_table(x, t)
     return argmax_rows(x)
 
 
-def sample(logits: jax.Array, tensors: SamplingTensors, vocab_size: int) -> SamplerOutput:
-    """Sample one token per row. logits: [R, V] (V may exceed vocab_size: padding columns).
+def sample(logits: jax.Array, tensors: SamplingTensors, vocab_size: int,
+           bitmask: jax.Array | None = None) -> SamplerOutput:
+    """Sample one token per row. logits: [R, V] (V may exceed vocab_size: padding columns);
+    bitmask: [R, bitmask_words(vocab_size)] int32 allowed-token bits of constrained rows, or None.
 
     Jittable with `vocab_size` static; parameter values are data, so they never recompile.
     Cost for an all-greedy batch without logprobs: the processed logits and one argmax pass; the
@@ -357,9 +392,9 @@ def sample(logits: jax.Array, tensors: SamplingTensors, vocab_size: int) -> Samp
     only when a row needs them. `logprobs` is 0 for rows that did not ask for logprobs.
     """
     def processed() -> jax.Array:  # [R, V]; recomputed inside each branch so that an all-greedy
-        return process_logits(logits, tensors, vocab_size)  # batch never materialises it
+        return process_logits(logits, tensors, vocab_size, bitmask)  # batch never materialises it
 
-    greedy_ids = _greedy_ids(logits, tensors, vocab_size)
+    greedy_ids = _greedy_ids(logits, tensors, vocab_size, bitmask)
 
     def draw() -> jax.Array:
         x = processed()

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxserve.structured.spec import StructuredOutputs
 
 MAX_N = 64                  # samples per request
 MAX_TEMPERATURE = 100.0
@@ -40,6 +44,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # None: off; 0..20: chosen token + that many alternatives
     skip_special_tokens: bool = True
+    # Output constraint (JSON schema, regex, choice, grammar); the front end compiles it into
+    # Request.grammar before the engine sees the request.
+    structured_outputs: "StructuredOutputs | None" = None
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError("<field> ...") for the first field that is out of range."""
@@ -68,6 +75,13 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None:
+            from jaxserve.structured.spec import StructuredOutputs
+
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise ValueError(f"structured_outputs must be a StructuredOutputs, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
 
     def _validate_logit_bias(self, vocab_size: int) -> None:
         if self.logit_bias is None:

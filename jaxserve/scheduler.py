@@ -164,8 +164,9 @@ class Scheduler:
         with self._lock:
             if request.request_id in self._requests:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight")
-            seqs = [Sequence(f"{request.request_id}#{i}", request, i, max_len=max_len,
-                             fork_pending=i > 0) for i in range(params.n)]
+            seqs = [Sequence(f"{request.request_id}#{i}", request, i, max_len=max_len, fork_pending=i > 0,
+                             guide=request.grammar.new_guide() if request.grammar is not None else None)
+                    for i in range(params.n)]
             seqs[0].pending_siblings = seqs[1:]
             self._requests[request.request_id] = seqs
             self._order[request.request_id] = self._next_order
@@ -277,6 +278,8 @@ class Scheduler:
                 self._commit(seq)
                 continue
             seq.output_token_ids.append(tok.token_id)
+            if seq.guide is not None:
+                seq.guide.accept(tok.token_id)
             self._commit(seq)
             reason = self._stop_reason(seq, tok.token_id)
             events.append(TokenEvent(seq.request.request_id, seq.sample_index, tok.token_id, tok.logprob,
@@ -456,6 +459,8 @@ class Scheduler:
                 return FinishReason.STOP
             if token in params.stop_token_ids:
                 return FinishReason.STOP
+        if seq.guide is not None and seq.guide.finished:  # the grammar is complete: nothing else may follow
+            return FinishReason.STOP
         if seq.num_tokens >= seq.max_len:
             return FinishReason.LENGTH
         return None

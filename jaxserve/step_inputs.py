@@ -22,9 +22,10 @@ import numpy as np
 
 from jaxserve.buckets import choose_bucket, declared_buckets
 from jaxserve.config import EngineConfig
-from jaxserve.sampler import SamplingRow, SamplingTensors
+from jaxserve.sampler import SamplingRow, SamplingTensors, bitmask_words
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import PENDING_TOKEN, ScheduledChunk, StepPlan
+from jaxserve.structured.guide import fill_bitmask
 
 
 class StepArrays(NamedTuple):
@@ -101,13 +102,27 @@ class StepInputBuilder:
                 logits_index[len(rows)] = t - 1
                 rows.append(SamplingRow(c.request.params, c.request.params.seed + c.sample_index,
                                         c.request.prompt_token_ids, _outputs_before_sample(c),
-                                        c.request.eos_token_ids))
+                                        c.request.eos_token_ids, c.request.grammar is not None))
         cu[len(chunks) + 1:] = t
         arrays = StepArrays(token_ids, positions, token_seq, slots, cu, seq_lens, page_tables,
                             np.array([len(chunks)], np.int32), logits_index, prev_row)
         sampling = SamplingTensors.from_rows(rows, s_bucket, self.vocab_size)
         copies = np.asarray(plan.copies, np.int32).reshape(-1, 2)
         return StepInputs(arrays, sampling, len(rows), copies)
+
+
+def has_constrained_rows(plan: StepPlan) -> bool:
+    return any(c.sample and c.request.grammar is not None for c in plan.chunks)
+
+
+def constraint_bitmask(plan: StepPlan, num_rows: int, vocab_size: int) -> np.ndarray | None:
+    """[num_rows, ceil(vocab_size / 32)] int32 token masks of the plan's sample rows (in row order)
+    from their sequences' grammar state, all ones for unconstrained rows; None when no row is
+    constrained. Every token sampled before this step must have been applied (scheduler.update)."""
+    if not has_constrained_rows(plan):
+        return None
+    guides = [plan.owners[c.seq_id].guide for c in plan.chunks if c.sample]
+    return fill_bitmask(guides, num_rows, bitmask_words(vocab_size))
 
 
 def needs_output_ids(params: SamplingParams) -> bool:

@@ -170,3 +170,106 @@ def test_transformers_loads_weights_into_qwen3_and_gives_finite_logits(model_dir
     assert logits.shape == (1, 5, 151936)
     assert torch.isfinite(logits).all()
     assert float(logits.std()) > 0.0
+
+
+# ---------------------------------------------------------------- chat template: tools and thinking
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+CALL_FORMAT = '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def hf_tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def render(hf_tok, messages, **kw):
+    kw.setdefault("add_generation_prompt", True)
+    return hf_tok.apply_chat_template(messages, tokenize=False, **kw)
+
+
+def test_template_is_current_and_written(model_dir):
+    import jaxserve.default_model as dm
+
+    assert dm.FORMAT_VERSION == "2"
+    assert json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"] == dm.CHAT_TEMPLATE
+    assert "tool_call" in (model_dir / "README.md").read_text()
+
+
+def test_template_without_tools_is_plain_chatml(hf_tok):
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+    expected = ("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                "<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n")
+    assert render(hf_tok, messages, add_generation_prompt=False) == expected
+    assert render(hf_tok, messages) == expected + "<|im_start|>assistant\n"
+    assert render(hf_tok, messages, tools=[]) == expected + "<|im_start|>assistant\n"
+    assert render(hf_tok, messages, enable_thinking=True) == expected + "<|im_start|>assistant\n"
+    no_thinking = expected + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert render(hf_tok, messages, enable_thinking=False) == no_thinking
+    assert render(hf_tok, messages, add_generation_prompt=False, enable_thinking=False) == expected
+
+
+def test_template_lists_tools_in_a_system_turn(hf_tok):
+    user = {"role": "user", "content": "Weather in Köln?"}
+    text = render(hf_tok, [user], tools=[TOOL], enable_thinking=False)
+    system, rest = text.split("<|im_end|>\n", 1)
+    assert system.startswith("<|im_start|>system\n# Tools\n")
+    assert "<tools>\n" + json.dumps(TOOL, ensure_ascii=False) + "\n</tools>" in system
+    assert system.endswith(CALL_FORMAT)
+    assert rest == "<|im_start|>user\nWeather in Köln?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    # The user's system message opens the same system turn; it is not repeated.
+    with_system = render(hf_tok, [{"role": "system", "content": "Be terse."}, user], tools=[TOOL, TOOL])
+    assert with_system.startswith("<|im_start|>system\nBe terse.\n\n# Tools\n")
+    assert with_system.count("<|im_start|>system") == 1 and with_system.count("Be terse.") == 1
+    assert with_system.count(json.dumps(TOOL)) == 2
+    assert with_system.endswith("<|im_start|>user\nWeather in Köln?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_template_renders_tool_calls_and_tool_responses(hf_tok):
+    messages = [
+        {"role": "user", "content": "Paris and Köln?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Köln"}}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+        {"role": "assistant", "content": "Checking again.", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {}}}]},
+        {"role": "tool", "content": "still rain"},
+        {"role": "user", "content": "thanks"},
+    ]
+    text = render(hf_tok, messages, tools=[TOOL])
+    turns = text.split("<|im_end|>\n")
+    assert turns[1:] == [
+        "<|im_start|>user\nParis and Köln?",
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}\n</tool_call>',
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>",
+        '<|im_start|>assistant\nChecking again.\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',
+        "<|im_start|>user\n<tool_response>\nstill rain\n</tool_response>",
+        "<|im_start|>user\nthanks",
+        "<|im_start|>assistant\n",
+    ]
+
+
+def test_rendered_tool_calls_parse_back_with_the_hermes_parser(hf_tok):
+    # What the template teaches is what the server parses.
+    from jaxserve.server.tools import HermesToolParser
+
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "n": [1, 2]}}},
+             {"type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]
+    text = render(hf_tok, [{"role": "user", "content": "q"},
+                           {"role": "assistant", "content": "Let me see.", "tool_calls": calls}],
+                  add_generation_prompt=False)
+    answer = text.split("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
+    content, parsed = HermesToolParser([TOOL]).parse(answer)
+    assert content == "Let me see."
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == [
+        ("get_weather", {"city": "Paris", "n": [1, 2]}), ("get_time", {"tz": "UTC"})]
+    assert parsed[0].arguments == '{"city": "Paris", "n": [1, 2]}'

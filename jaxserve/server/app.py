@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from jaxserve.server import generation
 from jaxserve.server.errors import APIError, bad_request, internal, overloaded, too_large, unauthorized
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.grammars import request_grammar
 from jaxserve.server.protocol import parse_chat, parse_completion, parse_json_body
 from jaxserve.server.state import Loader, ServerConfig, ServerState
 
@@ -129,6 +130,8 @@ async def _generate(state: ServerState, request: Request, parse: Callable[..., A
     # Tokenization / chat templates can take milliseconds for long prompts: off the event loop, one
     # at a time (a HF fast tokenizer may raise "Already borrowed" under concurrent use).
     gen = await run_in_threadpool(_locked, state, parse, body)
+    if gen.params.structured_outputs is not None or gen.forces_tool_calls:
+        gen.grammar = await run_in_threadpool(request_grammar, state.grammars, gen, state.model)
     new_sequences = len(gen.prompts) * gen.params.n
     if new_sequences > state.max_waiting:
         raise bad_request(f"this request needs {new_sequences} sequences (prompts x n); at most "

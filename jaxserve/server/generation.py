@@ -19,6 +19,7 @@ from starlette.types import Send
 
 from jaxserve.request import Request
 from jaxserve.server import responses as R
+from jaxserve.server.chat_output import ChoiceOutput, finish_reason
 from jaxserve.server.errors import APIError, bad_request, timed_out, unavailable
 from jaxserve.server.protocol import GenerationRequest
 from jaxserve.server.state import ServerState
@@ -62,7 +63,8 @@ def submit(state: ServerState, gen: GenerationRequest, arrival: float) -> tuple[
     runs = []
     for i, ids in enumerate(gen.prompts):
         request = Request(f"{resp.id}-{i}", ids, dataclasses.replace(gen.params), state.tokenizer.eos_token_ids,
-                          priority=gen.priority, cache_salt=gen.cache_salt, arrival_time=arrival)
+                          priority=gen.priority, cache_salt=gen.cache_salt, grammar=gen.grammar,
+                          arrival_time=arrival)
         runs.append(RequestRun(engine, state.tokenizer, request, i * gen.params.n,
                                gen.include_stop_str_in_output, state.metrics, deadline))
     try:
@@ -117,19 +119,34 @@ async def _completion_events(state: ServerState, gen: GenerationRequest, resp: _
     yield SSE_DONE
 
 
+def _choice_outputs(state: ServerState, gen: GenerationRequest, num_choices: int) -> list[ChoiceOutput]:
+    ctx = state.model
+    tool_cls = ctx.tool_parser if gen.parses_tool_calls else None
+    return [ChoiceOutput(ctx.reasoning_parser, tool_cls, gen.tools, gen.prompt_text) for _ in range(num_choices)]
+
+
 async def _chat_events(state: ServerState, gen: GenerationRequest, resp: _Response,
                        runs: list[RequestRun]) -> AsyncIterator[str]:
+    outputs = _choice_outputs(state, gen, len(runs) * gen.params.n)
     try:
-        for index in range(len(runs) * gen.params.n):
+        for index in range(len(outputs)):
             yield sse(R.chat_chunk(resp.id, resp.created, resp.model, index, {"role": "assistant", "content": ""},
                                    None, None, gen.include_usage))
         async for d in merged_deltas(runs):
             if not d.text and d.finish_reason is None and not d.logprobs:
                 continue
-            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+            out = outputs[d.index]
+            if out.plain:
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+            else:
+                delta = out.feed(d.text) if d.text else {}
+                if d.finish_reason is not None:
+                    delta = _merge(delta, out.finish())
+                elif not delta and not d.logprobs:
+                    continue  # held back by a parser (a partial tag)
             logprobs = R.chat_logprobs(d.logprobs, state.strings) if gen.params.logprobs is not None else None
-            yield sse(R.chat_chunk(resp.id, resp.created, resp.model, d.index, delta, logprobs, d.finish_reason,
-                                   gen.include_usage))
+            yield sse(R.chat_chunk(resp.id, resp.created, resp.model, d.index, delta, logprobs,
+                                   finish_reason(d.finish_reason, out.made_tool_calls), gen.include_usage))
         if gen.include_usage:
             yield sse(R.usage_chunk(gen.kind, resp.id, resp.created, resp.model, _usage(runs)))
     except RequestTimeout:
@@ -137,6 +154,14 @@ async def _chat_events(state: ServerState, gen: GenerationRequest, resp: _Respon
     finally:
         _close(runs)
     yield SSE_DONE
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two deltas of one chunk: texts concatenate, tool-call fragments follow each other."""
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = out[key] + value if key in out else value
+    return out
 
 
 # ---------------------------------------------------------------- one JSON response
@@ -166,6 +191,7 @@ async def complete(state: ServerState, gen: GenerationRequest, resp: _Response, 
     if gone:  # nobody to answer; the engine requests are aborted
         return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
     want = gen.params.logprobs is not None
+    outputs = _choice_outputs(state, gen, num_choices) if gen.kind == "chat" else []
     choices: list[dict[str, Any]] = []
     for i in range(num_choices):
         text = "".join(texts[i])
@@ -174,8 +200,9 @@ async def complete(state: ServerState, gen: GenerationRequest, resp: _Response, 
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]})
         else:
             lp = R.chat_logprobs(entries[i], state.strings) if want else None
-            choices.append({"index": i, "message": R.chat_message(text), "logprobs": lp,
-                            "finish_reason": finish[i]})
+            message = outputs[i].message(text)
+            choices.append({"index": i, "message": message, "logprobs": lp,
+                            "finish_reason": finish_reason(finish[i], "tool_calls" in message)})
     build = R.completion_response if gen.kind == "completion" else R.chat_response
     return JSONResponse(build(resp.id, resp.created, resp.model, choices, _usage(runs)))
 

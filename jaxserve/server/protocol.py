@@ -4,7 +4,9 @@ A JSON body becomes a `GenerationRequest` (token ids per prompt + SamplingParams
 `APIError(400)` that names the offending field. Nothing malformed gets past this module: types are
 checked here, ranges by `SamplingParams.validate`, lengths against the engine's max_model_len.
 Unknown fields are accepted and logged once per request at WARNING (as vLLM does), except features
-we do not implement (tools, echo, ...), which are refused rather than silently dropped.
+we do not implement (echo, suffix, ...), which are refused rather than silently dropped. Output
+constraints (response_format, structured_outputs, guided_*) are read by structured_fields.py, tools
+by server/tools/validation.py; compiling their grammars happens after this module (app.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from typing import Any, Literal, Protocol
 
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from jaxserve.server.errors import bad_request, model_not_found, server_error
+from jaxserve.server.structured_fields import STRUCTURED_FIELDS, parse_structured
+from jaxserve.server.tools.validation import validate_tool_choice, validate_tools
+from jaxserve.structured.spec import StructuredOutputs
 from jaxserve.tokenizer import ChatTemplateUnavailable
 
 logger = logging.getLogger("jaxserve.server")
@@ -30,15 +35,17 @@ _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "logprobs", "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "min_tokens", "stop", "stop_token_ids",
     "ignore_eos", "skip_special_tokens", "stream", "stream_options", "user", "cache_salt", "priority",
-    "include_stop_str_in_output"})
+    "include_stop_str_in_output", *STRUCTURED_FIELDS})
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "functions",
-                                "tool_choice", "response_format", "chat_template_kwargs", "add_generation_prompt"}
+                                "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                                "add_generation_prompt"}
 
 
 class TokenizerLike(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True, **kw: Any) -> list[int]: ...
+    def decode(self, token_ids: Any, skip_special_tokens: bool = True) -> str: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,9 @@ class ModelContext:
     max_model_len: int
     vocab_size: int             # the model's embedding rows: valid token ids are [0, vocab_size)
     tokenizer: TokenizerLike
+    reasoning_parser: type | None = None   # server/reasoning/ class (--reasoning-parser)
+    tool_parser: type | None = None        # server/tools/ class (--tool-call-parser, default hermes)
+    auto_tool_choice: bool = False         # --enable-auto-tool-choice: tool_choice "auto" is parsed
 
 
 @dataclasses.dataclass
@@ -62,6 +72,20 @@ class GenerationRequest:
     priority: int
     cache_salt: str | None
     include_stop_str_in_output: bool
+    structured_field: str | None = None     # the request field that set params.structured_outputs
+    tools: list[dict] | None = None         # chat: validated OpenAI tools
+    tool_choice: str | dict = "none"        # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool = True
+    prompt_text: str = ""                   # chat with a reasoning parser: the rendered prompt
+    grammar: Any = None                     # CompiledGrammar, attached after parsing (app.py)
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        return self.tools is not None and self.tool_choice not in ("none", "auto")
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return self.tools is not None and self.tool_choice != "none"
 
 
 # ---------------------------------------------------------------- body -> JSON object
@@ -211,7 +235,8 @@ def _warn_ignored(body: dict, known: frozenset[str]) -> None:
                        ", ".join(repr(name) for name in ignored))
 
 
-def _sampling(body: dict, ctx: ModelContext, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling(body: dict, ctx: ModelContext, max_tokens: int | None, logprobs: int | None,
+              structured: StructuredOutputs | None) -> SamplingParams:
     stop_token_ids = body.get("stop_token_ids")
     params = SamplingParams(
         n=_int(body, "n", 1),
@@ -232,6 +257,7 @@ def _sampling(body: dict, ctx: ModelContext, max_tokens: int | None, logprobs: i
         ignore_eos=_bool(body, "ignore_eos", False),
         logprobs=logprobs,
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        structured_outputs=structured,
     )
     try:
         params.validate(ctx.vocab_size)
@@ -274,7 +300,8 @@ def _common(kind: Literal["completion", "chat"], body: dict, ctx: ModelContext, 
             logprobs: int | None) -> GenerationRequest:
     """Every field but the prompt (validated first: they are cheap, tokenization is not)."""
     model = _model(body, ctx)
-    params = _sampling(body, ctx, max_tokens, logprobs)
+    structured, structured_field = parse_structured(body)
+    params = _sampling(body, ctx, max_tokens, logprobs, structured)
     stream, include_usage = _stream_flags(body)
     _str(body, "user")  # accepted and ignored, but it must be a string
     salt = _str(body, "cache_salt")
@@ -283,7 +310,8 @@ def _common(kind: Literal["completion", "chat"], body: dict, ctx: ModelContext, 
                           "cache_salt")
     return GenerationRequest(kind, model, [], params, stream, include_usage,
                              priority=_int(body, "priority", 0, INT64_MIN, INT64_MAX), cache_salt=salt,
-                             include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False))
+                             include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+                             structured_field=structured_field)
 
 
 # ---------------------------------------------------------------- the two endpoints
@@ -339,13 +367,8 @@ def parse_chat(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
     """A /v1/chat/completions body -> GenerationRequest (raises APIError(400) naming the field, or
     APIError(500) when the server cannot render chat templates)."""
     _warn_ignored(body, CHAT_FIELDS)
-    if body.get("tools"):
-        raise bad_request("'tools' (function calling) is not supported", "tools")
-    _refuse(body, "functions")
-    _refuse(body, "tool_choice", (None, "none", "auto"))
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
+    _refuse(body, "functions", why="(the legacy function-calling field) is not supported; use 'tools'")
+    tools, tool_choice, parallel = _tools(body, ctx)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, None, 1)
     want = _bool(body, "logprobs", False)
@@ -362,6 +385,12 @@ def parse_chat(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
         raise bad_request("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
     add_generation_prompt = _bool(body, "add_generation_prompt", True)
     gen = _common("chat", body, ctx, max_tokens, logprobs)
+    if tool_choice not in ("none", "auto") and gen.params.structured_outputs is not None:
+        raise bad_request(f"'tool_choice' {_show(tool_choice)} forces tool calls; it cannot be combined with "
+                          f"'{gen.structured_field}'", "tool_choice")
+    gen.tools, gen.tool_choice, gen.parallel_tool_calls = tools, tool_choice, parallel
+    if tools is not None:
+        kwargs = {**kwargs, "tools": tools}
     try:
         ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
     except (ValueError, TypeError) as e:
@@ -372,4 +401,30 @@ def parse_chat(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
         raise bad_request("'messages' render to zero tokens", "messages")
     gen.prompts = [ids]
     _check_lengths(gen.prompts, max_tokens, ctx, "messages", name if max_tokens is not None else None)
+    if ctx.reasoning_parser is not None:  # where the reasoning stands when generation begins
+        gen.prompt_text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
     return gen
+
+
+def _tools(body: dict, ctx: ModelContext) -> tuple[list[dict] | None, str | dict, bool]:
+    """(validated tools or None, tool_choice, parallel_tool_calls); OpenAI's defaults: "auto" with
+    tools, "none" without."""
+    parallel = _bool(body, "parallel_tool_calls", True)
+    raw_tools = body.get("tools")
+    try:
+        tools = validate_tools(raw_tools) if raw_tools is not None else None
+    except ValueError as e:
+        raise bad_request(str(e), "tools") from None
+    raw_choice = body.get("tool_choice")
+    if raw_choice is None:
+        raw_choice = "auto" if tools else "none"
+    try:
+        choice = validate_tool_choice(raw_choice, tools)
+    except ValueError as e:
+        raise bad_request(str(e), "tool_choice") from None
+    if not tools:
+        return None, "none", parallel
+    if choice == "auto" and not ctx.auto_tool_choice:
+        raise bad_request('tool_choice "auto" needs a server started with --enable-auto-tool-choice and '
+                          '--tool-call-parser; use "required", a named function, or "none"', "tool_choice")
+    return tools, choice, parallel

@@ -149,7 +149,3 @@ def chat_response(rid: str, created: int, model: str, choices: list[dict], usage
     """choices: [{"index", "message", "logprobs", "finish_reason"}]"""
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage_, "system_fingerprint": None}
-
-
-def chat_message(text: str) -> dict:
-    return {"role": "assistant", "content": text, "refusal": None}

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from jaxserve.server.errors import unavailable
+from jaxserve.server.reasoning import get_reasoning_parser
+from jaxserve.server.tools import DEFAULT_TOOL_PARSER, TOOL_PARSERS, get_tool_parser
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.protocol import ModelContext
 from jaxserve.server.responses import TokenStrings
@@ -40,6 +42,9 @@ class ServerConfig:
     max_waiting_requests: int | None = None    # None: the engine config's max_waiting_requests
     request_timeout: float | None = None       # seconds from arrival; the request is aborted after it
     max_request_bytes: int = 16 * 1024 ** 2
+    reasoning_parser: str | None = None        # server/reasoning/ registry name
+    tool_call_parser: str | None = None        # server/tools/ registry name (forced calls default to hermes)
+    enable_auto_tool_choice: bool = False
     on_ready: Callable[["ServerState"], None] | None = None          # called on the loader thread
     on_load_failed: Callable[[BaseException], None] | None = None   # called on the loader thread
 
@@ -54,6 +59,15 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when set")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (known: "
+                             f"{', '.join(sorted(TOOL_PARSERS))})")
+        self.parsers()  # unknown names fail at start-up
+
+    def parsers(self) -> tuple[type | None, type]:
+        """(reasoning parser class or None, tool parser class)."""
+        reasoning = get_reasoning_parser(self.reasoning_parser) if self.reasoning_parser else None
+        return reasoning, get_tool_parser(self.tool_call_parser or DEFAULT_TOOL_PARSER)
 
 
 class ServerState:
@@ -73,6 +87,8 @@ class ServerState:
         self.in_flight = 0             # HTTP requests running now (app.py counts them, on the event loop)
         self._thread: threading.Thread | None = None
         self.tokenize_lock = threading.Lock()
+        self._grammars: Any = None
+        self._grammars_lock = threading.Lock()
 
     # -------------------------------------------------------------- lifecycle
 
@@ -93,12 +109,16 @@ class ServerState:
             engine.on_step = self.metrics.on_step
             engine.start()
             self.core, self.tokenizer, self.model_dir, self.engine = core, tokenizer, model_dir, engine
+            reasoning, tools = self.config.parsers()
             self.model = ModelContext(self.config.served_model_names, core.engine_cfg.max_model_len,
-                                      core.model_cfg.vocab_size, tokenizer)
+                                      core.model_cfg.vocab_size, tokenizer, reasoning, tools,
+                                      self.config.enable_auto_tool_choice)
             self.strings = TokenStrings(lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
                                         tokenizer.convert_ids_to_tokens)
             self.load_seconds = time.monotonic() - start
             self.status = "ready"
+            # llguidance's view of the vocabulary takes ~1.5 s: build it now, not in a first request
+            threading.Thread(target=lambda: self.grammars, name="jaxserve-grammars", daemon=True).start()
         except BaseException as e:
             self.error = e
             self.status = "failed"
@@ -124,6 +144,17 @@ class ServerState:
             await asyncio.to_thread(self.engine.shutdown)
 
     # -------------------------------------------------------------- per request
+
+    @property
+    def grammars(self) -> Any:
+        """The GrammarCompiler (structured output, forced tool calls); built once, on first use."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from jaxserve.structured.compiler import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer.hf, self.core.model_cfg.vocab_size,
+                                                 self.tokenizer.eos_token_ids)
+            return self._grammars
 
     @property
     def max_waiting(self) -> int:

@@ -1,0 +1,514 @@
+"""Tool calling pieces: request validation, the parser registry, the Hermes format (parsing, streaming,
+forced-call grammars checked with llguidance on the real Qwen vocabulary)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxserve.server.tools import (
+    DEFAULT_TOOL_PARSER,
+    TOOL_PARSERS,
+    HermesToolParser,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    get_tool_parser,
+    new_tool_call_id,
+    validate_parallel_tool_calls,
+    validate_tool_choice,
+    validate_tools,
+)
+from jaxserve.server.tools.base import arguments_schema
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+TOOLS = [WEATHER, TIME]
+
+
+def call(name: str, args: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+# ---------------------------------------------------------------- validation
+
+
+def test_validate_tools_normalises():
+    raw = [{"type": "function", "function": {"name": "a-b_1", "description": None, "parameters": {"type": "object"},
+                                             "strict": True}},
+           {"type": "function", "function": {"name": "x"}}]
+    assert validate_tools(raw) == [
+        {"type": "function", "function": {"name": "a-b_1", "parameters": {"type": "object"}, "strict": True}},
+        {"type": "function", "function": {"name": "x"}}]
+    assert validate_tools(None) == [] and validate_tools([]) == []
+    assert validate_tools(TOOLS) == TOOLS
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"type": "function"}, r"^tools must be a list"),
+    (["f"], r"^tools\[0\] must be an object"),
+    ([{"function": {"name": "f"}}], r"^tools\[0\]\.type must be 'function'"),
+    ([{"type": "code_interpreter"}], r"^tools\[0\]\.type must be 'function'"),
+    ([{"type": "function", "function": {"name": "f"}, "extra": 1}], r"^tools\[0\] has unknown field 'extra'"),
+    ([{"type": "function"}], r"^tools\[0\]\.function must be an object"),
+    ([TIME, {"type": "function", "function": {"name": "bad name"}}], r"^tools\[1\]\.function\.name must be"),
+    ([{"type": "function", "function": {"name": "x" * 65}}], r"^tools\[0\]\.function\.name must be"),
+    ([{"type": "function", "function": {"name": ""}}], r"^tools\[0\]\.function\.name must be"),
+    ([{"type": "function", "function": {"name": 3}}], r"^tools\[0\]\.function\.name must be"),
+    ([{"type": "function", "function": {}}], r"^tools\[0\]\.function\.name must be"),
+    ([{"type": "function", "function": {"name": "f", "description": 1}}], r"^tools\[0\]\.function\.description"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], r"^tools\[0\]\.function\.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+     r"^tools\[0\]\.function\.parameters must describe an object"),
+    ([{"type": "function", "function": {"name": "f", "strict": "yes"}}], r"^tools\[0\]\.function\.strict"),
+    ([{"type": "function", "function": {"name": "f", "nme": "g"}}], r"^tools\[0\]\.function has unknown field"),
+    ([TIME, WEATHER, TIME], r"^tools\[2\]\.function\.name 'get_time' repeats the name of tools\[0\]"),
+])
+def test_validate_tools_errors_name_the_path(value, message):
+    with pytest.raises(ValueError, match=message):
+        validate_tools(value)
+
+
+def test_validate_tool_choice():
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert validate_tool_choice(None, TOOLS) == "auto"
+    assert validate_tool_choice(None, []) == "none" and validate_tool_choice(None, None) == "none"
+    for mode in ("none", "auto", "required"):
+        assert validate_tool_choice(mode, TOOLS) == mode
+    assert validate_tool_choice("none", None) == "none"
+    assert validate_tool_choice(named, TOOLS) == named
+    assert validate_tool_choice({**named, "function": {"name": "get_time", "x": 1}}, TOOLS) == named
+
+
+@pytest.mark.parametrize("value, tools, message", [
+    ("sometimes", TOOLS, r"^tool_choice must be one of"),
+    (3, TOOLS, r"^tool_choice must be a string or an object"),
+    ({"type": "tool", "function": {"name": "get_time"}}, TOOLS, r"^tool_choice\.type must be 'function'"),
+    ({"type": "function"}, TOOLS, r"^tool_choice\.function must be an object"),
+    ({"type": "function", "function": {"name": "x"}}, TOOLS, r"^tool_choice names function 'x', which is not in tools"),
+    ({"type": "function", "function": {"name": "x"}}, [], r"^tool_choice names function 'x'"),
+    ("required", [], r"^tool_choice 'required' needs"),
+    ("required", None, r"^tool_choice 'required' needs"),
+])
+def test_validate_tool_choice_errors(value, tools, message):
+    with pytest.raises(ValueError, match=message):
+        validate_tool_choice(value, tools)
+
+
+def test_validate_parallel_tool_calls():
+    assert validate_parallel_tool_calls(None) is True
+    assert validate_parallel_tool_calls(False) is False
+    with pytest.raises(ValueError, match="^parallel_tool_calls must be a boolean"):
+        validate_parallel_tool_calls("false")
+
+
+# ---------------------------------------------------------------- registry and records
+
+
+def test_registry():
+    assert TOOL_PARSERS == {"hermes": HermesToolParser}
+    assert DEFAULT_TOOL_PARSER in TOOL_PARSERS
+    assert get_tool_parser("hermes") is HermesToolParser and HermesToolParser.name == "hermes"
+    assert issubclass(HermesToolParser, ToolParser)
+    with pytest.raises(ValueError, match=r"unknown tool-call parser 'mistral'; known parsers: hermes"):
+        get_tool_parser("mistral")
+
+
+def test_call_ids_are_fresh_and_openai_shaped():
+    ids = {new_tool_call_id() for _ in range(100)}
+    assert len(ids) == 100
+    assert all(re.fullmatch(r"call_[A-Za-z0-9]{24}", i) for i in ids)
+
+
+# ---------------------------------------------------------------- Hermes: whole text
+
+
+def parse(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    content, calls = HermesToolParser(TOOLS).parse(text)
+    for c in calls:
+        assert isinstance(c, ToolCall) and re.fullmatch(r"call_[A-Za-z0-9]{24}", c.id)
+    return content, [(c.name, c.arguments) for c in calls]
+
+
+def test_parse_one_call_with_text_before():
+    text = 'Let me look.\n' + call("get_weather", '{"city": "Paris"}')
+    assert parse(text) == ("Let me look.", [("get_weather", '{"city": "Paris"}')])
+    assert parse(call("get_weather", '{"city": "Paris"}') + "\n") == (None, [("get_weather", '{"city": "Paris"}')])
+
+
+def test_parse_parallel_calls_and_text_between():
+    text = (call("get_weather", '{"city": "Paris"}') + "\n" + call("get_time", "{}") + "\nand also\n"
+            + call("get_weather", '{"city":"Köln" ,"x" : [1, {"y": "}{\\"]"}]}'))
+    assert parse(text) == ("and also", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}"),
+                                        ("get_weather", '{"city":"Köln" ,"x" : [1, {"y": "}{\\"]"}]}')])
+
+
+def test_parse_arguments_are_the_raw_text_stripped():
+    # Key order, spacing and escapes stay as the model wrote them; the surrounding whitespace goes.
+    text = '<tool_call>  {"arguments"  :\n {"b": 1,\n "a": "\\u00e9"} ,"name":"get_time", "id": 7}  </tool_call>'
+    assert parse(text) == (None, [("get_time", '{"b": 1,\n "a": "\\u00e9"}')])
+    assert parse('<tool_call>{"name": "get_time"}</tool_call>') == (None, [("get_time", "{}")])
+    assert parse('<tool_call>{"name": "get_\\u0074ime", "arguments": {}}</tool_call>') == (None, [("get_time", "{}")])
+
+
+@pytest.mark.parametrize("block", [
+    '<tool_call>\n{"name": "get_time", "arguments": {}\n</tool_call>',            # unbalanced
+    '<tool_call>\n{"arguments": {}}\n</tool_call>',                               # no name
+    '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',                    # name not a string
+    '<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n</tool_call>',      # arguments not an object
+    '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": {"x": tru}}\n</tool_call>',          # bad literal
+    '<tool_call>\n{"name": "f", "name": "g", "arguments": {}}\n</tool_call>',     # repeated key
+    '<tool_call>\n[{"name": "f", "arguments": {}}]\n</tool_call>',                # not an object
+    '<tool_call>\n{"name": "f", "arguments": {}} extra\n</tool_call>',
+    '<tool_call>\nI will call get_time.\n</tool_call>',
+    '<tool_call></tool_call>',
+])
+def test_malformed_block_is_content_verbatim(block):
+    for text in (block, "Hi! " + block + " bye", "a\n\n" + block + "\n\nb"):
+        assert parse(text) == (text, [])
+    # A valid call next to it still counts; whitespace around the valid one is dropped.
+    text = block + "\n" + call("get_time", "{}")
+    assert parse(text) == (block, [("get_time", "{}")])
+
+
+def test_block_cut_off_by_max_tokens():
+    done = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n'
+    assert parse("ok " + done) == ("ok", [("get_time", '{"tz": "UTC"}')])
+    assert parse(done + "</tool_") == (None, [("get_time", '{"tz": "UTC"}')])
+    cut = 'ok <tool_call>\n{"name": "get_time", "arguments": {"tz": "UT'
+    assert parse(cut) == (cut, [])
+    assert parse("<tool_call>") == ("<tool_call>", [])
+
+
+def test_text_without_calls_is_unchanged():
+    for text in ["plain", "  spaced \n\n", "<tool_", "a <tool_call b", "</tool_call> x", "\n<tool_response>x"]:
+        assert parse(text) == (text, [])
+    assert parse("") == (None, [])
+
+
+def test_closing_tag_ends_a_block_even_inside_a_string():
+    text = '<tool_call>\n{"name": "f", "arguments": {"s": "</tool_call>"}}\n</tool_call>'
+    content, calls = parse(text)
+    assert calls == [] and content == text
+
+
+# ---------------------------------------------------------------- Hermes: streaming
+
+
+def stream(chunks: list[str], parser: HermesToolParser | None = None) -> tuple[str, list[ToolCallDelta]]:
+    parser = parser or HermesToolParser(TOOLS)
+    content, deltas = [], []
+    for chunk in chunks + [None]:
+        c, d = parser.feed(chunk) if chunk is not None else parser.finish()
+        assert isinstance(c, str)
+        content.append(c)
+        deltas.extend(d)
+    return "".join(content), deltas
+
+
+def assembled(deltas: list[ToolCallDelta]) -> list[tuple[str, str]]:
+    """Checks the OpenAI delta shape and returns [(name, arguments)] by index."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.index not in calls:
+            assert d.index == len(calls), "calls are numbered 0, 1, ... in order"
+            assert re.fullmatch(r"call_[A-Za-z0-9]{24}", d.id or "") and d.name, d
+            calls[d.index] = [d.name, d.arguments]
+        else:
+            assert d.id is None and d.name is None and d.arguments, d
+            calls[d.index][1] += d.arguments
+    return [(n, a) for n, a in calls.values()]
+
+
+def cuts(text: str, points: list[int]) -> list[str]:
+    points = sorted(set(p for p in points if 0 < p < len(text)))
+    edges = [0] + points + [len(text)]
+    return [text[a:b] for a, b in zip(edges, edges[1:])]
+
+
+# Texts where streaming and parse must agree exactly (no block breaks after its call was announced).
+STREAM_TEXTS = [
+    'Let me look.\n\n' + call("get_weather", '{"city": "Paris"}'),
+    call("get_weather", '{"city": "Paris"}') + "\n" + call("get_time", "{}") + "\n",
+    '<tool_call>\n{"arguments": {"s": "a\\"}<b", "n": [1, 2, {"k": null}]}, "name": "get_weather"}\n</tool_call>',
+    'x <tool_call>{"name": "get_time"}</tool_call> y <tool_ <tool_call>\n{"name": "é", "arguments": {"z": "ü"}}',
+    "no calls at all, but a < and a </ and <tool and trailing space  \n",
+    '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call> then ' + call("get_time", '{"a": 1}'),
+    'a<tool_call>bad</tool_call>\n\n' + call("get_time", "{}") + "\n\n<tool_call>\n{\"name\":",
+]
+
+
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+def test_streaming_matches_parse_for_every_single_and_double_cut(text):
+    content, calls = parse(text)
+    expected = (content or "", calls)
+    assert (stream([text])[0], assembled(stream([text])[1])) == expected
+    assert (stream(list(text))[0], assembled(stream(list(text))[1])) == expected  # one character at a time
+    n = len(text)
+    for i in range(1, n):
+        got, deltas = stream(cuts(text, [i]))
+        assert (got, assembled(deltas)) == expected, i
+    for i in range(1, n, 3):
+        for j in range(i + 1, n, 5):
+            got, deltas = stream(cuts(text, [i, j]))
+            assert (got, assembled(deltas)) == expected, (i, j)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(STREAM_TEXTS), st.lists(st.integers(min_value=1, max_value=200), max_size=40))
+def test_streaming_matches_parse_for_random_chunkings(text, points):
+    content, calls = parse(text)
+    got, deltas = stream(cuts(text, points))
+    assert (got, assembled(deltas)) == (content or "", calls)
+
+
+def test_arguments_stream_before_the_block_ends():
+    p = HermesToolParser(TOOLS)
+    assert p.feed("Sure.\n<tool_") == ("Sure.", [])               # the partial tag is held back
+    assert p.feed("call>\n") == ("", [])
+    content, [first] = p.feed('{"name": "get_weather", "arguments": {"ci')
+    assert content == "" and (first.index, first.name, first.arguments) == (0, "get_weather", '{"ci')
+    assert p.feed('ty": "Pa') == ("", [ToolCallDelta(0, None, None, 'ty": "Pa')])
+    assert p.feed('ris"}}\n</tool') == ("", [ToolCallDelta(0, None, None, 'ris"}')])
+    assert p.feed("_call>\n\n") == ("", [])
+    assert p.feed("<tool_call>\n") == ("", [])
+    _, deltas = p.feed('{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert [(d.index, d.name, d.arguments) for d in deltas] == [(1, "get_time", "{}")]
+    assert deltas[0].id != first.id
+    assert p.finish() == ("", [])
+
+
+def test_name_after_arguments_waits_for_the_name():
+    p = HermesToolParser(TOOLS)
+    assert p.feed('<tool_call>{"arguments": {"city": "Rome"}, ') == ("", [])
+    _, deltas = p.feed('"name": "get_weather"}</tool_call>')
+    assert [(d.index, d.name, d.arguments) for d in deltas] == [(0, "get_weather", '{"city": "Rome"}')]
+
+
+def test_tags_split_across_chunks_never_leak():
+    text = "ab " + call("get_time", "{}") + " cd"
+    for size in range(1, 8):
+        chunks = [text[i:i + size] for i in range(0, len(text), size)]
+        p = HermesToolParser(TOOLS)
+        for chunk in chunks:
+            c, _ = p.feed(chunk)
+            assert "<" not in c and ">" not in c and "tool" not in c
+        assert stream(chunks)[0] == "abcd"
+
+
+def test_streaming_commits_early_and_documents_the_difference():
+    # Once the name is out and the arguments have begun, a block that later breaks stays a call
+    # with what was streamed; parse() returns such a block as content.
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    for chunks in ([broken], list(broken)):
+        content, deltas = stream(chunks)
+        assert (content, assembled(deltas)) == ("", [("get_weather", '{"city": "Par')])
+    assert parse(broken) == (broken, [])
+    unclosed = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>'
+    assert assembled(stream([unclosed])[1]) == [("get_weather", '{"city": "Paris"}')]
+    assert parse(unclosed) == (unclosed, [])
+    # Before that point nothing is announced, so streaming and parse agree.
+    early = '<tool_call>\n{"name": "get_weather", "argu'
+    assert stream(list(early)) == (early, []) and parse(early) == (early, [])
+
+
+def test_default_parse_of_the_base_class_assembles_the_stream():
+    class Echo(ToolParser):
+        name = "echo"
+
+        def feed(self, text):
+            return text, []
+
+        def finish(self):
+            return "", [ToolCallDelta(0, "call_x", "f", '{"a"'), ToolCallDelta(0, arguments=": 1}")]
+
+    content, calls = Echo([]).parse("hi")
+    assert content == "hi" and calls == [ToolCall("call_x", "f", '{"a": 1}')]
+
+
+# ---------------------------------------------------------------- Hermes: forced-call grammar
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["C", "F"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "hourly": {"type": "boolean"},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TREE_SCHEMA = {
+    "type": "object",
+    "$defs": {"leaf": {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 99}},
+                       "required": ["v"], "additionalProperties": False}},
+    "properties": {"left": {"$ref": "#/$defs/leaf"}, "right": {"$ref": "#/properties/left"}},
+    "required": ["left", "right"],
+    "additionalProperties": False,
+}
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "forecast", "parameters": ANSWER_SCHEMA}},
+    {"type": "function", "function": {"name": "tree", "description": "see http://x.y // not a comment",
+                                      "parameters": TREE_SCHEMA}},
+    {"type": "function", "function": {"name": "ping"}},
+]
+NAMED = {"type": "function", "function": {"name": "tree"}}
+EOS = [151645, 151643]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    llguidance_hf = pytest.importorskip("llguidance.hf")
+    from jaxserve.default_model import ensure_default_model
+    from jaxserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(ensure_default_model())
+    return tok, llguidance_hf.from_tokenizer(tok.hf, n_vocab=151936, eos_token=EOS)
+
+
+def matcher(qwen, grammar: str):
+    import llguidance
+
+    m = llguidance.LLMatcher(qwen[1], llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert not m.is_error(), m.get_error()
+    return m
+
+
+def accepts(qwen, grammar: str, text: str) -> bool:
+    m = matcher(qwen, grammar)
+    ok = m.consume_tokens(qwen[0].encode(text, add_special_tokens=False))
+    return ok and m.is_accepting()
+
+
+def test_arguments_schema_rebases_local_references():
+    schema = arguments_schema(FORCED_TOOLS[1]["function"], "#/anyOf/1/properties/arguments")
+    assert schema["properties"]["left"] == {"$ref": "#/anyOf/1/properties/arguments/$defs/leaf"}
+    assert schema["properties"]["right"] == {"$ref": "#/anyOf/1/properties/arguments/properties/left"}
+    assert TREE_SCHEMA["properties"]["left"] == {"$ref": "#/$defs/leaf"}  # the tool is not modified
+    assert arguments_schema({"name": "ping"}, "#") == {"type": "object", "properties": {},
+                                                        "additionalProperties": False}
+    assert arguments_schema({"name": "f", "parameters": {"properties": {}}}, "#")["type"] == "object"
+
+
+def test_grammar_shape():
+    g = HermesToolParser.grammar(FORCED_TOOLS, "required", parallel_tool_calls=True)
+    lines = g.splitlines()
+    assert lines[:3] == ['start: call ("\\n" call)*', 'call: <tool_call> "\\n" body "\\n" </tool_call>',
+                         lines[2]]
+    body = json.loads(lines[2].removeprefix("body: %json "))
+    assert body["x-guidance"] == {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    assert [a["properties"]["name"] for a in body["anyOf"]] == [{"const": "forecast"}, {"const": "tree"},
+                                                                {"const": "ping"}]
+    one = HermesToolParser.grammar(FORCED_TOOLS, NAMED, parallel_tool_calls=False)
+    assert one.splitlines()[0] == "start: call"
+    assert [a["properties"]["name"] for a in json.loads(one.splitlines()[2][12:])["anyOf"]] == [{"const": "tree"}]
+    for choice in ("auto", "none", {"type": "function", "function": {"name": "nope"}}):
+        with pytest.raises(ValueError):
+            HermesToolParser.grammar(FORCED_TOOLS, choice, True)
+    with pytest.raises(ValueError, match="needs at least one tool"):
+        HermesToolParser.grammar([], "required", True)
+
+
+def test_grammar_accepts_calls_and_rejects_everything_else(qwen):
+    required = HermesToolParser.grammar(FORCED_TOOLS, "required", parallel_tool_calls=False)
+    parallel = HermesToolParser.grammar(FORCED_TOOLS, "required", parallel_tool_calls=True)
+    named = HermesToolParser.grammar(FORCED_TOOLS, NAMED, parallel_tool_calls=True)
+    fc = call("forecast", '{"city": "Paris", "unit": "C"}')
+    tree = call("tree", '{"left": {"v": 1}, "right": {"v": 22}}')
+    ping = call("ping", "{}")
+    for text in (fc, tree, ping):
+        assert accepts(qwen, required, text) and accepts(qwen, parallel, text)
+    assert accepts(qwen, parallel, fc + "\n" + tree + "\n" + ping)
+    assert not accepts(qwen, required, fc + "\n" + ping)                    # one call only
+    assert accepts(qwen, named, tree) and accepts(qwen, named, tree + "\n" + tree)
+    assert not accepts(qwen, named, fc)                                      # only the named function
+    for bad in ("Sure! " + fc,                                               # no content
+                fc.replace('"unit": "C"', '"unit": "K"'),                    # schema enforced
+                fc.replace('"C"}', '"C", "x": 1}'),                          # no extra keys
+                fc.replace(", ", ","),                                       # compact separators only
+                fc.replace("\n{", "\n {"),
+                '<tool_call>\n{"name": "ping"}\n</tool_call>',               # arguments required
+                call("other", "{}")):
+        assert not accepts(qwen, parallel, bad), bad
+    # The tags are the added tokens, as Qwen writes them.
+    m = matcher(qwen, required)
+    assert m.consume_tokens([151657]) and not matcher(qwen, required).consume_tokens(
+        qwen[0].encode("<", add_special_tokens=False))
+
+
+def assert_compact(json_text: str) -> None:
+    """JSON written like json.dumps / the template's tojson: ", " and ": " and no other whitespace."""
+    outside_strings = re.sub(r'"(?:[^"\\]|\\.)*"', '""', json_text)
+    assert not re.search(r"\s", outside_strings.replace(", ", ",").replace(": ", ":")), json_text
+
+
+def random_walk(qwen, grammar: str, seed: int, max_tokens: int = 400) -> tuple[str, list[int]]:
+    """Sample uniformly among the tokens the grammar allows until it stops."""
+    tok, _ = qwen
+    m = matcher(qwen, grammar)
+    rng = np.random.default_rng(seed)
+    ids: list[int] = []
+    while not m.is_stopped():
+        assert len(ids) < max_tokens, tok.decode(ids, skip_special_tokens=False)
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[:151936])
+        assert allowed.size, m.get_error()
+        token = int(rng.choice(allowed))
+        assert m.consume_token(token), m.get_error()
+        ids.append(token)
+    return tok.decode(ids, skip_special_tokens=True), ids
+
+
+@pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False), (NAMED, True)])
+def test_random_walks_through_the_grammar_parse_to_valid_calls(qwen, choice, parallel):
+    jsonschema = pytest.importorskip("jsonschema")
+    grammar = HermesToolParser.grammar(FORCED_TOOLS, choice, parallel)
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object", "maxProperties": 0})
+               for t in FORCED_TOOLS}
+    seen: set[str] = set()
+    counts = set()
+    for seed in range(12):
+        text, _ = random_walk(qwen, grammar, seed)
+        content, calls = HermesToolParser(FORCED_TOOLS).parse(text)
+        assert content is None and calls, text
+        assert parallel or len(calls) == 1
+        counts.add(len(calls))
+        blocks = [f'<tool_call>\n{{"name": "{c.name}", "arguments": {c.arguments}}}\n</tool_call>' for c in calls]
+        assert text == "\n".join(blocks)
+        for c in calls:
+            jsonschema.validate(json.loads(c.arguments), schemas[c.name])
+            assert_compact(c.arguments)
+            seen.add(c.name)
+    if isinstance(choice, dict):
+        assert seen == {"tree"}
+    else:
+        assert len(seen) >= 2
+    if parallel:
+        assert max(counts) > 1
+
+
+def test_random_walk_text_streams_token_by_token_like_parse(qwen):
+    grammar = HermesToolParser.grammar(FORCED_TOOLS, "required", True)
+    tok, _ = qwen
+    for seed in range(4):
+        text, ids = random_walk(qwen, grammar, 100 + seed)
+        pieces, prev = [], ""
+        for n in range(1, len(ids) + 1):  # incremental detokenization, as the server streams
+            now = tok.decode(ids[:n], skip_special_tokens=True)
+            if now.endswith("\ufffd") and n < len(ids):
+                continue  # an incomplete UTF-8 character: wait for the rest
+            pieces.append(now[len(prev):])
+            prev = now
+        assert "".join(pieces) == text
+        content, deltas = stream(pieces)
+        _, calls = HermesToolParser(FORCED_TOOLS).parse(text)
+        assert content == "" and assembled(deltas) == [(c.name, c.arguments) for c in calls]

@@ -1,0 +1,125 @@
+"""Validity regardless of the model: the random-weight default model at temperature 1.0 samples 200
+outputs per constraint, and every one of them matches it (JSON schemas checked with `jsonschema`,
+regexes with `re.fullmatch`, choices by membership, an arithmetic Lark grammar with Python's parser).
+
+Every schema bounds its strings, arrays, numbers (range, and a binary-exact multipleOf where
+the fraction would be unbounded) and properties, so a model that picks tokens at random still
+reaches the end of the grammar within max_tokens."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import jsonschema
+import pytest
+
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured import StructuredOutputs
+
+SAMPLES = 200
+PROMPTS = 4                 # x n = 50 samples each
+MAX_TOKENS = 400
+
+NAME = {"type": "string", "maxLength": 8}
+COORD = {"type": "integer", "minimum": -1000, "maximum": 1000}
+SCHEMAS = {
+    "flat_required": {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+                      "required": ["name", "age"], "additionalProperties": False},
+    "nested_objects": {"type": "object", "additionalProperties": False, "required": ["user"],
+                       "properties": {"user": {"type": "object", "additionalProperties": False,
+                                               "required": ["id", "address"],
+                                               "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                                                              "address": {"type": "object",
+                                                                          "additionalProperties": False,
+                                                                          "required": ["city"],
+                                                                          "properties": {"city": NAME,
+                                                                                         "zip": NAME}}}}}},
+    "bounded_array": {"type": "object", "additionalProperties": False, "required": ["tags"],
+                      "properties": {"tags": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 4}}},
+    "enums": {"type": "object", "additionalProperties": False, "required": ["color", "size"],
+              "properties": {"color": {"enum": ["red", "green", "blue"]},
+                             "size": {"type": "string", "enum": ["S", "M", "L", "XL"]},
+                             "level": {"enum": [1, 2, 3, None]}}},
+    "number_ranges": {"type": "object", "additionalProperties": False, "required": ["score", "ratio", "temp"],
+                      "properties": {"score": {"type": "integer", "minimum": 0, "maximum": 100},
+                                     "ratio": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.125},
+                                     "temp": {"type": "number", "exclusiveMinimum": -40, "maximum": 50.5,
+                                              "multipleOf": 0.5}}},
+    "optional_fields": {"type": "object", "additionalProperties": False, "required": ["id"],
+                        "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99999}, "nick": NAME, "admin": {"type": "boolean"},
+                                       "email": {"type": "string", "pattern": "^[a-z]{1,6}@[a-z]{1,6}\\.com$"}}},
+    "string_patterns": {"type": "object", "additionalProperties": False, "required": ["date", "code"],
+                        "properties": {"date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+                                       "code": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{3}$"}}},
+    "refs": {"$defs": {"point": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+                                 "properties": {"x": COORD, "y": COORD}}},
+             "type": "object", "additionalProperties": False, "required": ["start", "end"],
+             "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}}},
+    "array_of_objects": {"type": "array", "minItems": 1, "maxItems": 3,
+                         "items": {"type": "object", "additionalProperties": False, "required": ["k", "v"],
+                                   "properties": {"k": NAME, "v": {"type": ["integer", "null"], "minimum": -9, "maximum": 99}}}},
+    "any_of": {"type": "object", "additionalProperties": False, "required": ["value"],
+               "properties": {"value": {"anyOf": [{"type": "integer", "minimum": -99, "maximum": 999}, NAME, {"type": "boolean"}]},
+                              "const": {"const": "fixed"}}},
+}
+
+ARITHMETIC = r"""
+start: expr
+expr: term (OP term){0,3}
+term: NUMBER | "(" inner ")"
+inner: NUMBER (OP NUMBER){0,3}
+OP: "+" | "-" | "*" | "/"
+NUMBER: /[1-9][0-9]{0,2}/
+"""
+
+
+def _samples(llm, spec: StructuredOutputs, seed: int) -> list:
+    params = SamplingParams(n=SAMPLES // PROMPTS, temperature=1.0, max_tokens=MAX_TOKENS, seed=seed,
+                            structured_outputs=spec)
+    prompts = ["Answer in JSON.", "Hello", "今天天气很好", "def f(x):"]
+    outputs = [o for r in llm.generate(prompts, params) for o in r.outputs]
+    assert len(outputs) == SAMPLES
+    for o in outputs:
+        assert o.finish_reason == "stop", (o.finish_reason, o.text)  # the grammar ended, not max_tokens
+    return outputs
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_json_schema_samples_all_validate(llm, name):
+    schema = SCHEMAS[name]
+    outputs = _samples(llm, StructuredOutputs(json=schema), seed=len(name))
+    texts = set()
+    for o in outputs:
+        jsonschema.validate(json.loads(o.text), schema)
+        texts.add(o.text)
+    assert len(texts) >= 10  # temperature 1.0 explores the schema, not one fixed answer
+
+
+def test_regex_samples_fullmatch(llm):
+    pattern = r"[a-z]{2,5}-[0-9]{1,4}(\.[A-Z]{1,3})?"
+    for o in _samples(llm, StructuredOutputs(regex=pattern), seed=3):
+        assert re.fullmatch(pattern, o.text), o.text
+
+
+def test_choice_samples_are_members(llm):
+    choices = ["yes", "no", "maybe so", "I don't know", "是"]
+    outputs = _samples(llm, StructuredOutputs(choice=choices), seed=4)
+    assert {o.text for o in outputs} <= set(choices)
+    assert len({o.text for o in outputs}) >= 3
+
+
+def _arithmetic_ok(node: ast.AST) -> bool:
+    if isinstance(node, ast.Expression):
+        return _arithmetic_ok(node.body)
+    if isinstance(node, ast.BinOp):
+        return (isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div))
+                and _arithmetic_ok(node.left) and _arithmetic_ok(node.right))
+    return isinstance(node, ast.Constant) and isinstance(node.value, int)
+
+
+def test_lark_grammar_samples_parse(llm):
+    for o in _samples(llm, StructuredOutputs(grammar=ARITHMETIC), seed=5):
+        assert re.fullmatch(r"[0-9+\-*/()]+", o.text), o.text
+        assert _arithmetic_ok(ast.parse(o.text, mode="eval")), o.text
