@@ -7,6 +7,7 @@ the row bucket R, the logits width V, and the width H of the per-row token table
 Pipeline per row (the contract's order):
   grammar bitmask (structured output; constrained rows only): disallowed tokens -> -inf
   vocab padding columns (>= vocab_size) -> -inf
+  (constrained rows skip min_tokens' stop/EOS ban below: the grammar alone decides where they end)
   logit bias -> repetition penalty -> presence/frequency penalties      (one gather/scatter of H)
   temperature (rows with temperature 0 -- or below 1e-5, set to 0 by from_rows -- are greedy and
   use 1 here; top_k >= vocab_size is stored as 0 = off)
@@ -92,7 +93,7 @@ def _row_table(row: SamplingRow, vocab_size: int) -> tuple[np.ndarray, ...] | No
     use_rep = p.repetition_penalty != 1.0
     use_pf = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
     bias = dict(p.logit_bias or {})
-    if len(row.output_token_ids) < p.min_tokens:
+    if len(row.output_token_ids) < p.min_tokens and not row.constrained:  # a grammar decides its own end
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(row.eos_token_ids))
         bias.update({t: -np.inf for t in banned})
     if not (use_rep or use_pf or bias):
@@ -323,7 +324,8 @@ def _top_logprobs(x: jax.Array, lse: jax.Array, t: SamplingTensors, vocab_size: 
         if width < k:  # tiny vocabularies: pad so top_k has k columns to pick from
             lp = jnp.pad(lp, ((0, 0), (0, k - width)), constant_values=-jnp.inf)
         vals, ids = jax.lax.top_k(lp, k)
-        real = ids < vocab_size   # padding columns hold -inf so they only fill the tail
+        # Padding columns and tokens a grammar forbids hold -inf: they only fill the tail, as -1.
+        real = (ids < vocab_size) & (vals > -jnp.inf)
         return jnp.where(real, ids, -1).astype(jnp.int32), jnp.where(real, vals, -jnp.inf)
 
     def skip(_):

@@ -75,7 +75,7 @@ class GrammarCompiler:
             raise GrammarError(f"{field} took longer than {self.timeout_s:g}s to compile; simplify it") from None
         if matcher.is_error():
             raise GrammarError(f"{field} could not be compiled: {_first_line(matcher.get_error())}")
-        compiled = CompiledGrammar(matcher, text)
+        compiled = CompiledGrammar(matcher, text, self.tokenizer)
         with self._lock:
             self.misses += 1
             self._cache[text] = compiled

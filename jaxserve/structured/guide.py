@@ -19,21 +19,23 @@ logger = logging.getLogger("jaxserve.structured")
 
 
 class CompiledGrammar:
-    def __init__(self, matcher: Any, text: str) -> None:
+    def __init__(self, matcher: Any, text: str, tokenizer: Any) -> None:
         self._matcher = matcher    # initial state; never advanced
         self.text = text
+        self._tokenizer = tokenizer  # the llguidance tokenizer it was compiled for
 
     def new_guide(self) -> "Guide":
-        return Guide(self._matcher.deep_copy())
+        return Guide(self._matcher.deep_copy(), self._tokenizer)
 
 
 class Guide:
     """One sequence's position in its grammar."""
 
-    __slots__ = ("matcher", "failed")
+    __slots__ = ("matcher", "tokenizer", "failed")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, tokenizer: Any) -> None:
         self.matcher = matcher
+        self.tokenizer = tokenizer
         self.failed = False
 
     def accept(self, token_id: int) -> bool:
@@ -41,11 +43,23 @@ class Guide:
         the mask should have made impossible."""
         if self.failed:
             return False
-        if not self.matcher.consume_token(token_id):
+        if self.tokenizer.is_special_token(token_id) and not self.matcher.validate_tokens([token_id]):
+            accepted = self._accept_as_text(token_id)
+        else:
+            accepted = self.matcher.consume_token(token_id)
+        if not accepted:
             self.failed = True
             logger.warning("grammar rejected token %d: %s", token_id, self.matcher.get_error())
             return False
         return True
+
+    def _accept_as_text(self, token_id: int) -> bool:
+        """llguidance 1.9 masks: where a grammar forces literal text such as "<tool_call>" that the
+        tokenizer spells with one added token, the mask allows that token (the text's canonical
+        tokenization) but consuming it fails, because the matcher treats added tokens as special.
+        The token's text is what the grammar wants: advance by the same text in plain tokens."""
+        plain = self.tokenizer.greedy_tokenize(self.tokenizer.decode_str([token_id]))
+        return bool(plain) and self.matcher.validate_tokens(plain) == len(plain) and self.matcher.consume_tokens(plain)
 
     @property
     def finished(self) -> bool:

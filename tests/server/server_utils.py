@@ -21,7 +21,7 @@ from jaxserve.server import ServerConfig, build_app
 MODEL = "jaxserve-tiny"
 # One token bucket and one sequence bucket: every step has the same shapes, so a row's greedy
 # output cannot depend on what else is in the batch, and warm-up compiles few programs.
-TEST_ENGINE = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, num_kv_pages=128,
+TEST_ENGINE = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=64, num_kv_pages=128,
                    page_size=16, token_buckets=(64,), seq_buckets=(16,))
 
 

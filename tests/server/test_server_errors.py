@@ -49,12 +49,12 @@ INVALID_BODIES = [
     ("completions", {"prompt": [10**9]}, "prompt"),
     ("completions", {"prompt": [[1, 2], []]}, "prompt"),
     ("completions", {"prompt": [True, False]}, "prompt"),
-    # Too long for max_model_len (256): the prompt alone fills it -> the prompt's fault; the prompt
+    # Too long for max_model_len (512): the prompt alone fills it -> the prompt's fault; the prompt
     # fits but the max_tokens the client sent does not -> max_tokens' fault.
-    ("completions", {"prompt": "hi " * 300}, "prompt"),
-    ("completions", {"prompt": "hi " * 300, "max_tokens": 16}, "prompt"),
-    ("completions", {"prompt": "hi " * 300, "max_tokens": None}, "prompt"),
-    ("completions", {"prompt": ["hi", "hi " * 300]}, "prompt"),
+    ("completions", {"prompt": "hi " * 600}, "prompt"),
+    ("completions", {"prompt": "hi " * 600, "max_tokens": 16}, "prompt"),
+    ("completions", {"prompt": "hi " * 600, "max_tokens": None}, "prompt"),
+    ("completions", {"prompt": ["hi", "hi " * 600]}, "prompt"),
     ("completions", {"prompt": "hi " * 250}, "prompt"),  # fits alone, not with the default max_tokens 16
     ("completions", {"prompt": "hi " * 100, "max_tokens": 200}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
@@ -107,10 +107,10 @@ INVALID_BODIES = [
     ("chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ("chat/completions", {"messages": MSG, "logprobs": 1}, "logprobs"),
     ("chat/completions", {"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
-    ("chat/completions", {"messages": MSG, "max_tokens": 300}, "max_tokens"),
-    ("chat/completions", {"messages": MSG, "max_completion_tokens": 300}, "max_completion_tokens"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 300}]}, "messages"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 300}], "max_tokens": 8}, "messages"),
+    ("chat/completions", {"messages": MSG, "max_tokens": 600}, "max_tokens"),
+    ("chat/completions", {"messages": MSG, "max_completion_tokens": 600}, "max_completion_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}], "max_tokens": 8}, "messages"),
     ("chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),

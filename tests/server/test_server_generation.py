@@ -222,7 +222,7 @@ def test_models_health_and_metrics_endpoints(live):
     models = httpx.get(f"{live.url}/v1/models").json()
     assert models["object"] == "list"
     (m,) = models["data"]
-    assert m["id"] == MODEL and m["object"] == "model" and m["max_model_len"] == 256
+    assert m["id"] == MODEL and m["object"] == "model" and m["max_model_len"] == 512
     assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
     metrics = live.metrics()
     for name in ("time_to_first_token_seconds_count", "time_per_output_token_seconds_count",

@@ -1,0 +1,63 @@
+"""Shared by the structured-output, tool and reasoning server tests: schemas, tools, a client, and
+SSE readers that check OpenAI's streaming shapes. (One module per server configuration: servers
+of the session share one engine core, so two must never run at once.)"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+
+from server_utils import MODEL, LiveServer, read_sse
+
+MSG = [{"role": "user", "content": "Answer."}]
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 8},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                                       "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}}}}
+TOOLS = [WEATHER, CLOCK]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+HAND_WRITTEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+
+
+def client_for(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def stream_chunks(server: LiveServer, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}/v1/{path}", json={"model": MODEL, **body, "stream": True},
+                      timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        events = read_sse(r)
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+def tool_stream(server: LiveServer, body: dict) -> tuple[list[dict], str | None, str]:
+    """(calls assembled from the deltas, finish_reason, content), checking OpenAI's delta order."""
+    calls: dict[int, dict] = {}
+    finish, content = None, ""
+    for event in stream_chunks(server, "chat/completions", body):
+        if not event["choices"]:
+            continue
+        choice = event["choices"][0]
+        delta = choice["delta"]
+        content += delta.get("content") or ""
+        for d in delta.get("tool_calls") or []:
+            if d["index"] not in calls:  # the first delta of a call names it
+                assert d["id"].startswith("call") and d["type"] == "function" and d["function"]["name"]
+                calls[d["index"]] = {"id": d["id"], "name": d["function"]["name"], "arguments": ""}
+            else:
+                assert "id" not in d and "name" not in d.get("function", {})
+            calls[d["index"]]["arguments"] += d["function"].get("arguments") or ""
+        finish = choice.get("finish_reason") or finish
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[i] for i in sorted(calls)], finish, content
+
+

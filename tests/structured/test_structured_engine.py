@@ -1,0 +1,176 @@
+"""Structured output through the engine: constrained and unconstrained requests batched together get
+what they get alone (seeded), async scheduling gives what the synchronous engine gives, nothing
+compiles after warm-up, and the grammar's end, max_tokens, n > 1, logprobs and stop strings
+behave as they do without a grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from jaxserve.llm import LLM
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured import GrammarError, StructuredOutputs
+
+SMALL = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, token_buckets=(16, 64),
+             seq_buckets=(16,), num_kv_pages=256, page_size=16)
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+CODE = r"[A-Z]{2}-[0-9]{2,4}"
+CHOICES = ["alpha", "beta", "gamma delta"]
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[bool, LLM]:
+    """{async_scheduling: LLM on the default model}; the two share nothing but the weights' seed."""
+    return {flag: LLM(show_progress=False, async_scheduling=flag, **SMALL) for flag in (True, False)}
+
+
+def _mixed() -> list[tuple[str, SamplingParams]]:
+    """Constrained (JSON, regex, choice; sampled and greedy) and unconstrained requests."""
+    s = StructuredOutputs
+    return [
+        ("Give me a person.", SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=40, structured_outputs=s(json=PERSON))),
+        ("Once upon a time", SamplingParams(temperature=1.0, seed=8, max_tokens=12, ignore_eos=True)),
+        ("A code:", SamplingParams(temperature=0.9, top_p=0.9, seed=9, max_tokens=20, structured_outputs=s(regex=CODE))),
+        ("Pick one", SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=s(choice=CHOICES))),
+        ("Hello there", SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)),
+        ("JSON please", SamplingParams(temperature=1.0, top_k=50, seed=10, max_tokens=60,
+                                       structured_outputs=s(json_object=True))),
+    ]
+
+
+def _tokens(outputs) -> list[list[list[int]]]:
+    return [[o.token_ids for o in r.outputs] for r in outputs]
+
+
+def test_batched_equals_alone_and_async_equals_sync(engines):
+    requests = _mixed()
+    prompts, params = zip(*requests)
+    batched = {flag: llm.generate(list(prompts), list(params)) for flag, llm in engines.items()}
+    alone = [engines[True].generate([p], sp)[0] for p, sp in requests]
+    assert _tokens(batched[True]) == _tokens(alone)
+    assert _tokens(batched[False]) == _tokens(alone)
+    person = [o.text for o in batched[True][0].outputs]
+    for text in person:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert re.fullmatch(CODE, batched[True][2].outputs[0].text)
+    assert batched[True][3].outputs[0].text in CHOICES
+    assert isinstance(json.loads(batched[True][5].outputs[0].text), dict)
+    for llm in engines.values():
+        assert llm.core.runner.compilations_after_warmup == 0
+
+
+def test_async_constrained_steps_overlap_the_forward_with_the_previous_step(engines):
+    """With async scheduling a constrained step dispatches its forward before the previous step's
+    ids are applied: the forward of step n+1 is on the device while the host fills the masks."""
+    core = engines[True].core
+    log: list[str] = []
+    forward, sample, fetch = core.runner.forward, core.runner.sample, core.runner.fetch
+
+    def traced(name, fn):
+        def call(*args, **kwargs):
+            log.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    core.runner.forward, core.runner.sample, core.runner.fetch = (
+        traced("forward", forward), traced("sample", sample), traced("fetch", fetch))
+    try:
+        engines[True].generate(["x"], SamplingParams(temperature=1.0, seed=1, max_tokens=30,
+                                                      structured_outputs=StructuredOutputs(regex="[a-z]{20}")))
+    finally:
+        core.runner.forward, core.runner.sample, core.runner.fetch = forward, sample, fetch
+    # After the first step: forward(n+1), fetch(n), sample(n+1) -- never a fetch before the next forward.
+    assert log[:3] == ["forward", "sample", "forward"]
+    assert "forward fetch sample" in " ".join(log)
+    assert "sample fetch forward" not in " ".join(log)
+
+
+def test_max_tokens_cuts_the_json_with_length(engines):
+    out = engines[True].generate(["x"], SamplingParams(temperature=1.0, seed=3, max_tokens=4,
+                                                       structured_outputs=StructuredOutputs(json=PERSON)))
+    o = out[0].outputs[0]
+    assert o.finish_reason == "length"
+    assert len(o.token_ids) == 4
+    assert o.text.startswith('{"name": "')
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(o.text)
+
+
+def test_grammar_end_stops_even_with_ignore_eos_and_min_tokens(engines):
+    """The grammar decides where a constrained output ends: min_tokens and ignore_eos cannot push
+    past it (EOS is the only token it allows there)."""
+    for extra in (dict(ignore_eos=True), dict(min_tokens=30)):
+        out = engines[True].generate(["x"], SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=50,
+                                                           structured_outputs=StructuredOutputs(choice=CHOICES), **extra))
+        for o in out[0].outputs:
+            assert o.finish_reason == "stop" and o.text in CHOICES, (extra, o)
+            assert len(o.token_ids) < 10
+
+
+def test_n_samples_are_distinct_valid_and_logprobs_cover_only_allowed_tokens(engines):
+    llm = engines[True]
+    params = SamplingParams(n=6, temperature=1.0, seed=11, max_tokens=12, logprobs=5,
+                            structured_outputs=StructuredOutputs(regex="[0-9]{3}"))
+    out = llm.generate(["digits"], params)[0].outputs
+    assert len({o.text for o in out}) > 1
+    for o in out:
+        assert re.fullmatch("[0-9]{3}", o.text) and o.finish_reason == "stop"
+        assert len(o.logprobs) == len(o.token_ids) and all(lp <= 0 for lp in o.logprobs)
+    # The logprobs are of the masked distribution: at the last digit the alternatives are digits only.
+    from jaxserve.request import Request
+
+    core = llm.core
+    grammar = llm.grammars.compile(StructuredOutputs(regex="[0-9]{3}"))
+    core.add_request(Request("lp", llm.tokenizer.encode("digits"), params, llm.tokenizer.eos_token_ids, grammar=grammar))
+    tops = []
+    while core.has_work():
+        tops += [e.top_logprobs for e in core.step() if e.token_id is not None and e.top_logprobs is not None]
+    assert tops
+    for top in tops:
+        real = [(t, lp) for t, lp in top if t >= 0]
+        assert real and all(lp > -float("inf") for _, lp in real)
+        for t, _ in real:
+            text = llm.tokenizer.decode([t])
+            assert re.fullmatch("[0-9]+", text) or t in llm.tokenizer.eos_token_ids, text
+
+
+def test_stop_strings_end_a_constrained_sample(engines):
+    out = engines[True].generate(["x"], SamplingParams(temperature=0.0, max_tokens=30, stop=["5"],
+                                                       structured_outputs=StructuredOutputs(regex="12345678")))
+    o = out[0].outputs[0]
+    assert o.text == "1234" and o.finish_reason == "stop"
+
+
+def test_compiled_grammars_are_cached_by_text(engines):
+    compiler = engines[True].grammars
+    first = compiler.compile(StructuredOutputs(json=PERSON))
+    assert compiler.compile(StructuredOutputs(json=json.loads(json.dumps(PERSON)))) is first
+    assert compiler.compile(StructuredOutputs(regex=CODE)) is not first
+
+
+@pytest.mark.parametrize("spec, words", [
+    (StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "strin"}}}), "strin"),
+    (StructuredOutputs(json={"$ref": "#/$defs/missing"}), "missing"),
+    (StructuredOutputs(regex="[a-z"), "regex"),
+    (StructuredOutputs(grammar="start: expr\nexpr: NUMBER +"), "grammar"),
+])
+def test_bad_constraints_raise_grammar_errors_naming_the_field(engines, spec, words):
+    with pytest.raises(GrammarError) as err:
+        engines[True].generate(["x"], SamplingParams(max_tokens=4, structured_outputs=spec))
+    assert words in str(err.value)
+    assert not engines[True].core.has_work()
+
+
+def test_engine_refuses_structured_outputs_without_a_compiled_grammar(engines):
+    from jaxserve.request import Request
+
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="a"))
+    with pytest.raises(ValueError, match="compiled grammar"):
+        engines[True].core.add_request(Request("r", [1, 2], params))
