@@ -107,14 +107,10 @@ class ModelRunner:
     def _put(self, tree: Any) -> Any:
         return jax.device_put(tree, self._replicated)
 
-    def step(self, inputs: StepInputs, bitmask: np.ndarray | None = None) -> SamplerOutput:
-        """Dispatches one step; returns device arrays (no host sync). Call `fetch` for numpy."""
-        return self.sample(self.forward(inputs), inputs, bitmask)
-
     def forward(self, inputs: StepInputs) -> jax.Array:
-        """Dispatches the step's page copies and forward; returns the [S, V] logits (on the device).
-        Split from `sample` so that a step with grammar-constrained rows can run its forward while
-        the host still computes their token masks."""
+        """Dispatches the step's page copies and forward; returns the [S, V] logits (on the device,
+        no host sync). A step is `forward` then `sample`, then `fetch` for numpy: split so that a
+        step with grammar-constrained rows can run its forward while the host computes their masks."""
         before = CompileCounter.count()
         if len(inputs.copies):
             self.kv = copy_step(self.kv, *self._put(self._pad_copies(inputs.copies)))

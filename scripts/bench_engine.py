@@ -110,10 +110,10 @@ def step_breakdown(core, repeats: int) -> dict[str, float]:
 
     runner = core.runner
     captured = []
-    real_step = runner.step
-    runner.step = lambda inputs: captured.append(inputs) or real_step(inputs)
+    real_forward = runner.forward
+    runner.forward = lambda inputs: captured.append(inputs) or real_forward(inputs)
     core.step()
-    runner.step = real_step
+    runner.forward = real_forward
     inputs = captured[-1]
 
     def forward():

@@ -42,10 +42,10 @@ def _decode_batch(tag: str) -> list[Request]:
 def _trace(core) -> list[tuple[str, object]]:
     """Records the order of the runner's dispatches and fetches (the real calls, passed through)."""
     log: list[tuple[str, object]] = []
-    step, fetch = core.runner.step, core.runner.fetch
+    sample, fetch = core.runner.sample, core.runner.fetch
 
-    def traced_step(inputs):
-        out = step(inputs)
+    def traced_sample(*args):  # a step is dispatched once its sampler is (the forward goes first)
+        out = sample(*args)
         log.append(("dispatch", out))
         return out
 
@@ -53,7 +53,7 @@ def _trace(core) -> list[tuple[str, object]]:
         log.append(("fetch", out))
         return fetch(out)
 
-    core.runner.step, core.runner.fetch = traced_step, traced_fetch
+    core.runner.sample, core.runner.fetch = traced_sample, traced_fetch
     return log
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.buckets import history_buckets
-from jaxserve.sampler import (SamplingRow, SamplingTensors, argmax_rows, process_logits,
+from jaxserve.sampler import (PADDING_TEMPERATURE, SamplingRow, SamplingTensors, argmax_rows, process_logits,
                               sample)
 from jaxserve.sampling_params import SamplingParams
 
@@ -261,8 +261,9 @@ def test_from_rows_padding_rows_are_neutral_and_table_skipped_without_penalties(
                         42, [1, 2], [3])]
     t = SamplingTensors.from_rows(rows, 4, VOCAB)
     assert not t.needs_history and t.table_ids.shape == (4, 0)
-    # padding rows are greedy
-    np.testing.assert_array_equal(t.temperature, [np.float32(0.9), 0, 0, 0])
+    # padding rows are marked: neither greedy nor sampled, so they never select a branch
+    np.testing.assert_array_equal(t.temperature, [np.float32(0.9), PADDING_TEMPERATURE, PADDING_TEMPERATURE,
+                                                  PADDING_TEMPERATURE])
     np.testing.assert_array_equal(t.top_k, [4, 0, 0, 0])
     np.testing.assert_array_equal(t.top_p, [0.5, 1, 1, 1])
     np.testing.assert_array_equal(t.min_p, [np.float32(0.1), 0, 0, 0])

@@ -55,8 +55,8 @@ INVALID_BODIES = [
     ("completions", {"prompt": "hi " * 600, "max_tokens": 16}, "prompt"),
     ("completions", {"prompt": "hi " * 600, "max_tokens": None}, "prompt"),
     ("completions", {"prompt": ["hi", "hi " * 600]}, "prompt"),
-    ("completions", {"prompt": "hi " * 250}, "prompt"),  # fits alone, not with the default max_tokens 16
-    ("completions", {"prompt": "hi " * 100, "max_tokens": 200}, "max_tokens"),
+    ("completions", {"prompt": "hi " * 505}, "prompt"),  # fits alone, not with the default max_tokens 16
+    ("completions", {"prompt": "hi " * 400, "max_tokens": 200}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": "10"}, "max_tokens"),
@@ -111,8 +111,8 @@ INVALID_BODIES = [
     ("chat/completions", {"messages": MSG, "max_completion_tokens": 600}, "max_completion_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}], "max_tokens": 8}, "messages"),
-    ("chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {"name": 5}}]}, "tools"),
+    ("chat/completions", {"messages": MSG, "response_format": {"type": "xml"}}, "response_format"),
     ("chat/completions", {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
 ]
 

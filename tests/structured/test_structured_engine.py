@@ -15,8 +15,7 @@ from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import GrammarError, StructuredOutputs
 
-SMALL = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256, token_buckets=(16, 64),
-             seq_buckets=(16,), num_kv_pages=256, page_size=16)
+from conftest import ENGINE
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -26,9 +25,11 @@ CHOICES = ["alpha", "beta", "gamma delta"]
 
 
 @pytest.fixture(scope="module")
-def engines() -> dict[bool, LLM]:
-    """{async_scheduling: LLM on the default model}; the two share nothing but the weights' seed."""
-    return {flag: LLM(show_progress=False, async_scheduling=flag, **SMALL) for flag in (True, False)}
+def engines(llm) -> dict[bool, LLM]:
+    """{async_scheduling: LLM on the default model}: the session's (async, the default) and a
+    synchronous one with the same sizes."""
+    assert llm.core.engine_cfg.async_scheduling
+    return {True: llm, False: LLM(show_progress=False, async_scheduling=False, **ENGINE)}
 
 
 def _mixed() -> list[tuple[str, SamplingParams]]:

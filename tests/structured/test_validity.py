@@ -22,8 +22,8 @@ SAMPLES = 200
 PROMPTS = 4                 # x n = 50 samples each
 MAX_TOKENS = 400
 
-NAME = {"type": "string", "maxLength": 8}
-COORD = {"type": "integer", "minimum": -1000, "maximum": 1000}
+NAME = {"type": "string", "maxLength": 5}
+COORD = {"type": "integer", "minimum": -99, "maximum": 99}
 SCHEMAS = {
     "flat_required": {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
                       "required": ["name", "age"], "additionalProperties": False},
@@ -51,13 +51,13 @@ SCHEMAS = {
                         "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99999}, "nick": NAME, "admin": {"type": "boolean"},
                                        "email": {"type": "string", "pattern": "^[a-z]{1,6}@[a-z]{1,6}\\.com$"}}},
     "string_patterns": {"type": "object", "additionalProperties": False, "required": ["date", "code"],
-                        "properties": {"date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
-                                       "code": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{3}$"}}},
+                        "properties": {"date": {"type": "string", "pattern": "^[0-9]{2}/[0-9]{2}$"},
+                                       "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"}}},
     "refs": {"$defs": {"point": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
                                  "properties": {"x": COORD, "y": COORD}}},
              "type": "object", "additionalProperties": False, "required": ["start", "end"],
              "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}}},
-    "array_of_objects": {"type": "array", "minItems": 1, "maxItems": 3,
+    "array_of_objects": {"type": "array", "minItems": 1, "maxItems": 2,
                          "items": {"type": "object", "additionalProperties": False, "required": ["k", "v"],
                                    "properties": {"k": NAME, "v": {"type": ["integer", "null"], "minimum": -9, "maximum": 99}}}},
     "any_of": {"type": "object", "additionalProperties": False, "required": ["value"],
