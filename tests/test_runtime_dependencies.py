@@ -10,7 +10,8 @@ imports directly: transformers imports jinja2 only inside `apply_chat_template`,
   pyproject's `[project].dependencies`;
 - dynamic: the real server path runs in subprocesses where every installed distribution outside
   that closure cannot be found (as on a fresh install): the embedded model's tokenizer and chat
-  template, the app, `jaxserve serve` answering a chat request, and `jaxserve bench` against it.
+  template, the app, `jaxserve serve` answering a chat request and a JSON-schema one (llguidance),
+  and `jaxserve bench` against it.
   Its log must also be free of start-up noise (torch not found, libtpu missing).
 """
 
@@ -284,6 +285,13 @@ def test_server_path_runs_with_only_the_declared_dependencies(tmp_path):
         chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
             "model": "jaxserve-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
         assert chat.status_code == 200, chat.text
+        schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+                  "additionalProperties": False}
+        structured = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={  # llguidance, no test extra
+            "model": "jaxserve-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+        assert structured.status_code == 200, structured.text
+        assert json.loads(structured.json()["choices"][0]["message"]["content"])["a"] in ("x", "y")
 
         exercise = tmp_path / "exercise.py"
         exercise.write_text(EXERCISE)

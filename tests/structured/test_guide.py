@@ -85,3 +85,19 @@ def test_a_closed_block_in_the_prompt_means_no_reasoning_part(compiler, hf):
     assert prefix == ""
     guide = compiler.compile(StructuredOutputs(choice=["yes"]), prefix).new_guide()
     assert hf.convert_tokens_to_ids("<think>") not in _allowed(guide, compiler.vocab_size)
+
+
+def test_structural_tag_constrains_only_the_tagged_segment(compiler, hf):
+    """vLLM's structural tag: free text, and after a trigger the segment's schema up to its end."""
+    tag = {"structures": [{"begin": "<fn=add>", "end": "</fn>",
+                           "schema": {"type": "object", "required": ["a"], "additionalProperties": False,
+                                      "properties": {"a": {"type": "integer"}}}}],
+           "triggers": ["<fn="]}
+    spec = StructuredOutputs(structural_tag=tag)
+    guide = compiler.compile(spec).new_guide()
+    _walk(guide, hf, compiler.vocab_size, hf.encode('Sure. <fn=add>{"a": 12}</fn> Done, anything else?'))
+    assert not guide.failed
+    inside = compiler.compile(spec).new_guide()
+    _walk(inside, hf, compiler.vocab_size, hf.encode("x <fn=add"))
+    allowed = _allowed(inside, compiler.vocab_size)  # the tag's end and the object's start are forced
+    assert allowed and all(hf.decode([t]).startswith(">{") for t in allowed), [hf.decode([t]) for t in allowed]

@@ -5,6 +5,7 @@ behave as they do without a grammar."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -13,9 +14,8 @@ import pytest
 
 from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.structured import GrammarError, StructuredOutputs
+from jaxserve.structured import GrammarCompiler, GrammarError, StructuredOutputs
 
-from conftest import ENGINE
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -24,12 +24,17 @@ CODE = r"[A-Z]{2}-[0-9]{2,4}"
 CHOICES = ["alpha", "beta", "gamma delta"]
 
 
-@pytest.fixture(scope="module")
-def engines(llm) -> dict[bool, LLM]:
-    """{async_scheduling: LLM on the default model}: the session's (async, the default) and a
-    synchronous one with the same sizes."""
-    assert llm.core.engine_cfg.async_scheduling
-    return {True: llm, False: LLM(show_progress=False, async_scheduling=False, **ENGINE)}
+def _synchronous(llm: LLM, prompts, params):
+    """The same engine with async scheduling off (only EngineCore.step reads the flag, and the
+    core is idle between generate calls): the synchronous engine's outputs, without a second warm-up."""
+    core = llm.core
+    cfg = core.engine_cfg
+    assert cfg.async_scheduling and not core.has_work()
+    core.engine_cfg = dataclasses.replace(cfg, async_scheduling=False)
+    try:
+        return llm.generate(prompts, params)
+    finally:
+        core.engine_cfg = cfg
 
 
 def _mixed() -> list[tuple[str, SamplingParams]]:
@@ -50,11 +55,12 @@ def _tokens(outputs) -> list[list[list[int]]]:
     return [[o.token_ids for o in r.outputs] for r in outputs]
 
 
-def test_batched_equals_alone_and_async_equals_sync(engines):
+def test_batched_equals_alone_and_async_equals_sync(llm):
     requests = _mixed()
     prompts, params = zip(*requests)
-    batched = {flag: llm.generate(list(prompts), list(params)) for flag, llm in engines.items()}
-    alone = [engines[True].generate([p], sp)[0] for p, sp in requests]
+    batched = {True: llm.generate(list(prompts), list(params)),
+               False: _synchronous(llm, list(prompts), list(params))}
+    alone = [llm.generate([p], sp)[0] for p, sp in requests]
     assert _tokens(batched[True]) == _tokens(alone)
     assert _tokens(batched[False]) == _tokens(alone)
     person = [o.text for o in batched[True][0].outputs]
@@ -63,14 +69,13 @@ def test_batched_equals_alone_and_async_equals_sync(engines):
     assert re.fullmatch(CODE, batched[True][2].outputs[0].text)
     assert batched[True][3].outputs[0].text in CHOICES
     assert isinstance(json.loads(batched[True][5].outputs[0].text), dict)
-    for llm in engines.values():
-        assert llm.core.runner.compilations_after_warmup == 0
+    assert llm.core.runner.compilations_after_warmup == 0
 
 
-def test_async_constrained_steps_overlap_the_forward_with_the_previous_step(engines):
+def test_async_constrained_steps_overlap_the_forward_with_the_previous_step(llm):
     """With async scheduling a constrained step dispatches its forward before the previous step's
     ids are applied: the forward of step n+1 is on the device while the host fills the masks."""
-    core = engines[True].core
+    core = llm.core
     log: list[str] = []
     forward, sample, fetch = core.runner.forward, core.runner.sample, core.runner.fetch
 
@@ -83,7 +88,7 @@ def test_async_constrained_steps_overlap_the_forward_with_the_previous_step(engi
     core.runner.forward, core.runner.sample, core.runner.fetch = (
         traced("forward", forward), traced("sample", sample), traced("fetch", fetch))
     try:
-        engines[True].generate(["x"], SamplingParams(temperature=1.0, seed=1, max_tokens=30,
+        llm.generate(["x"], SamplingParams(temperature=1.0, seed=1, max_tokens=30,
                                                       structured_outputs=StructuredOutputs(regex="[a-z]{20}")))
     finally:
         core.runner.forward, core.runner.sample, core.runner.fetch = forward, sample, fetch
@@ -93,8 +98,8 @@ def test_async_constrained_steps_overlap_the_forward_with_the_previous_step(engi
     assert "sample fetch forward" not in " ".join(log)
 
 
-def test_max_tokens_cuts_the_json_with_length(engines):
-    out = engines[True].generate(["x"], SamplingParams(temperature=1.0, seed=3, max_tokens=4,
+def test_max_tokens_cuts_the_json_with_length(llm):
+    out = llm.generate(["x"], SamplingParams(temperature=1.0, seed=3, max_tokens=4,
                                                        structured_outputs=StructuredOutputs(json=PERSON)))
     o = out[0].outputs[0]
     assert o.finish_reason == "length"
@@ -104,19 +109,18 @@ def test_max_tokens_cuts_the_json_with_length(engines):
         json.loads(o.text)
 
 
-def test_grammar_end_stops_even_with_ignore_eos_and_min_tokens(engines):
+def test_grammar_end_stops_even_with_ignore_eos_and_min_tokens(llm):
     """The grammar decides where a constrained output ends: min_tokens and ignore_eos cannot push
     past it (EOS is the only token it allows there)."""
     for extra in (dict(ignore_eos=True), dict(min_tokens=30)):
-        out = engines[True].generate(["x"], SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=50,
+        out = llm.generate(["x"], SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=50,
                                                            structured_outputs=StructuredOutputs(choice=CHOICES), **extra))
         for o in out[0].outputs:
             assert o.finish_reason == "stop" and o.text in CHOICES, (extra, o)
             assert len(o.token_ids) < 10
 
 
-def test_n_samples_are_distinct_valid_and_logprobs_cover_only_allowed_tokens(engines):
-    llm = engines[True]
+def test_n_samples_are_distinct_valid_and_logprobs_cover_only_allowed_tokens(llm):
     params = SamplingParams(n=6, temperature=1.0, seed=11, max_tokens=12, logprobs=5,
                             structured_outputs=StructuredOutputs(regex="[0-9]{3}"))
     out = llm.generate(["digits"], params)[0].outputs
@@ -142,15 +146,15 @@ def test_n_samples_are_distinct_valid_and_logprobs_cover_only_allowed_tokens(eng
             assert re.fullmatch("[0-9]+", text) or t in llm.tokenizer.eos_token_ids, text
 
 
-def test_stop_strings_end_a_constrained_sample(engines):
-    out = engines[True].generate(["x"], SamplingParams(temperature=0.0, max_tokens=30, stop=["5"],
+def test_stop_strings_end_a_constrained_sample(llm):
+    out = llm.generate(["x"], SamplingParams(temperature=0.0, max_tokens=30, stop=["5"],
                                                        structured_outputs=StructuredOutputs(regex="12345678")))
     o = out[0].outputs[0]
     assert o.text == "1234" and o.finish_reason == "stop"
 
 
-def test_compiled_grammars_are_cached_by_text(engines):
-    compiler = engines[True].grammars
+def test_compiled_grammars_are_cached_by_text(llm):
+    compiler = llm.grammars
     first = compiler.compile(StructuredOutputs(json=PERSON))
     assert compiler.compile(StructuredOutputs(json=json.loads(json.dumps(PERSON)))) is first
     assert compiler.compile(StructuredOutputs(regex=CODE)) is not first
@@ -162,16 +166,30 @@ def test_compiled_grammars_are_cached_by_text(engines):
     (StructuredOutputs(regex="[a-z"), "regex"),
     (StructuredOutputs(grammar="start: expr\nexpr: NUMBER +"), "grammar"),
 ])
-def test_bad_constraints_raise_grammar_errors_naming_the_field(engines, spec, words):
+def test_bad_constraints_raise_grammar_errors_naming_the_field(llm, spec, words):
     with pytest.raises(GrammarError) as err:
-        engines[True].generate(["x"], SamplingParams(max_tokens=4, structured_outputs=spec))
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=spec))
     assert words in str(err.value)
-    assert not engines[True].core.has_work()
+    assert not llm.core.has_work()
 
 
-def test_engine_refuses_structured_outputs_without_a_compiled_grammar(engines):
+def test_engine_refuses_structured_outputs_without_a_compiled_grammar(llm):
     from jaxserve.request import Request
 
     params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="a"))
     with pytest.raises(ValueError, match="compiled grammar"):
-        engines[True].core.add_request(Request("r", [1, 2], params))
+        llm.core.add_request(Request("r", [1, 2], params))
+
+
+def test_a_constraint_too_large_or_too_slow_to_compile_is_refused(llm):
+    from jaxserve.structured.spec import MAX_GRAMMAR_CHARS
+
+    with pytest.raises(GrammarError, match="at most"):
+        llm.grammars.compile(StructuredOutputs(regex="a" * (MAX_GRAMMAR_CHARS + 1)))
+    slow = GrammarCompiler(llm.tokenizer.hf, llm.core.model_cfg.vocab_size, llm.tokenizer.eos_token_ids,
+                           timeout_s=1e-4)
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}x$"}
+                                            for i in range(400)}}
+    with pytest.raises(GrammarError, match="took longer than"):
+        slow.compile(StructuredOutputs(json=big), field="response_format")
+    slow.close()

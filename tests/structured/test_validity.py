@@ -55,7 +55,7 @@ SCHEMAS = {
                                        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"}}},
     "refs": {"$defs": {"point": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
                                  "properties": {"x": COORD, "y": COORD}}},
-             "type": "object", "additionalProperties": False, "required": ["start", "end"],
+             "type": "object", "additionalProperties": False, "required": ["start"],
              "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}}},
     "array_of_objects": {"type": "array", "minItems": 1, "maxItems": 2,
                          "items": {"type": "object", "additionalProperties": False, "required": ["k", "v"],
@@ -67,11 +67,11 @@ SCHEMAS = {
 
 ARITHMETIC = r"""
 start: expr
-expr: term (OP term){0,3}
+expr: term (OP term){0,2}
 term: NUMBER | "(" inner ")"
-inner: NUMBER (OP NUMBER){0,3}
+inner: NUMBER (OP NUMBER){0,2}
 OP: "+" | "-" | "*" | "/"
-NUMBER: /[1-9][0-9]{0,2}/
+NUMBER: /[1-9][0-9]?/
 """
 
 
