@@ -19,7 +19,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import StructuredOutputs
 
 SAMPLES = 200
-PROMPTS = 4                 # x n = 50 samples each
+PROMPTS = 4                 # x n = 50 samples each (PROMPTS_TEXT)
 MAX_TOKENS = 400
 
 NAME = {"type": "string", "maxLength": 5}
@@ -75,11 +75,37 @@ NUMBER: /[1-9][0-9]?/
 """
 
 
-def _samples(llm, spec: StructuredOutputs, seed: int) -> list:
-    params = SamplingParams(n=SAMPLES // PROMPTS, temperature=1.0, max_tokens=MAX_TOKENS, seed=seed,
-                            structured_outputs=spec)
-    prompts = ["Answer in JSON.", "Hello", "今天天气很好", "def f(x):"]
-    outputs = [o for r in llm.generate(prompts, params) for o in r.outputs]
+REGEX = r"[a-z]{2,5}-[0-9]{1,4}(\.[A-Z]{1,3})?"
+CHOICES = ["yes", "no", "maybe so", "I don't know", "是"]
+PROMPTS_TEXT = ["Answer in JSON.", "Hello", "今天天气很好", "def f(x):"]
+
+
+def _constraints() -> dict[str, StructuredOutputs]:
+    out = {f"json:{name}": StructuredOutputs(json=schema) for name, schema in SCHEMAS.items()}
+    out.update({"regex": StructuredOutputs(regex=REGEX), "choice": StructuredOutputs(choice=CHOICES),
+                "lark": StructuredOutputs(grammar=ARITHMETIC)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def samples(llm) -> dict[str, list]:
+    """Constraint name -> its 200 outputs. Every constraint's requests go into one generate call, so
+    the batch stays full until the very end (one tail of long samples, not one per constraint)."""
+    prompts, params, names = [], [], []
+    for k, (name, spec) in enumerate(_constraints().items()):
+        for prompt in PROMPTS_TEXT:
+            prompts.append(prompt)
+            params.append(SamplingParams(n=SAMPLES // PROMPTS, temperature=1.0, max_tokens=MAX_TOKENS, seed=k,
+                                         structured_outputs=spec))
+            names.append(name)
+    out: dict[str, list] = {}
+    for name, result in zip(names, llm.generate(prompts, params)):
+        out.setdefault(name, []).extend(result.outputs)
+    return out
+
+
+def _samples(samples: dict[str, list], name: str) -> list:
+    outputs = samples[name]
     assert len(outputs) == SAMPLES
     for o in outputs:
         assert o.finish_reason == "stop", (o.finish_reason, o.text)  # the grammar ended, not max_tokens
@@ -87,26 +113,23 @@ def _samples(llm, spec: StructuredOutputs, seed: int) -> list:
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_json_schema_samples_all_validate(llm, name):
+def test_json_schema_samples_all_validate(samples, name):
     schema = SCHEMAS[name]
-    outputs = _samples(llm, StructuredOutputs(json=schema), seed=len(name))
     texts = set()
-    for o in outputs:
+    for o in _samples(samples, f"json:{name}"):
         jsonschema.validate(json.loads(o.text), schema)
         texts.add(o.text)
     assert len(texts) >= 10  # temperature 1.0 explores the schema, not one fixed answer
 
 
-def test_regex_samples_fullmatch(llm):
-    pattern = r"[a-z]{2,5}-[0-9]{1,4}(\.[A-Z]{1,3})?"
-    for o in _samples(llm, StructuredOutputs(regex=pattern), seed=3):
-        assert re.fullmatch(pattern, o.text), o.text
+def test_regex_samples_fullmatch(samples):
+    for o in _samples(samples, "regex"):
+        assert re.fullmatch(REGEX, o.text), o.text
 
 
-def test_choice_samples_are_members(llm):
-    choices = ["yes", "no", "maybe so", "I don't know", "是"]
-    outputs = _samples(llm, StructuredOutputs(choice=choices), seed=4)
-    assert {o.text for o in outputs} <= set(choices)
+def test_choice_samples_are_members(samples):
+    outputs = _samples(samples, "choice")
+    assert {o.text for o in outputs} <= set(CHOICES)
     assert len({o.text for o in outputs}) >= 3
 
 
@@ -119,7 +142,7 @@ def _arithmetic_ok(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and isinstance(node.value, int)
 
 
-def test_lark_grammar_samples_parse(llm):
-    for o in _samples(llm, StructuredOutputs(grammar=ARITHMETIC), seed=5):
+def test_lark_grammar_samples_parse(samples):
+    for o in _samples(samples, "lark"):
         assert re.fullmatch(r"[0-9+\-*/()]+", o.text), o.text
         assert _arithmetic_ok(ast.parse(o.text, mode="eval")), o.text
