@@ -23,12 +23,15 @@ class ReasoningFamily(Protocol):
     reasoning_by_default: bool
 
     @classmethod
+    def prompt_closes_reasoning(cls, prompt_text: str) -> bool: ...
+
+    @classmethod
     def starts_in_reasoning(cls, prompt_text: str) -> bool: ...
 
 
 def reasoning_prefix(family: ReasoningFamily | None, prompt_text: str) -> str:
     """Lark for what may precede the constrained body ("" for nothing)."""
-    if family is None or prompt_text.rstrip().endswith(family.end_tag):
+    if family is None or family.prompt_closes_reasoning(prompt_text):
         return ""
     # The end tag, then the newlines the parser strips after it (models write "</think>\n\n").
     free_until_end = f'/(.|\\n)*/ {family.end_tag} "\\n"{{0,2}}'

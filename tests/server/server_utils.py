@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -90,6 +91,11 @@ def start_server(loaded_model: tuple[Any, Any, Path], **config: Any) -> LiveServ
     live = LiveServer(app)
     live.wait_ready()
     return live
+
+
+def client_for(server: LiveServer) -> openai.OpenAI:
+    """The official openai client for a live server (no retries: a failure shows at once)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def read_sse(response: httpx.Response) -> list[Any]:

@@ -1,11 +1,10 @@
-"""Shared by the structured-output, tool and reasoning server tests: schemas, tools, a client, and
+"""Shared by the structured-output, tool and reasoning server tests: schemas, tools, and
 SSE readers that check OpenAI's streaming shapes. (One module per server configuration: servers
 of the session share one engine core, so two must never run at once.)"""
 
 from __future__ import annotations
 
 import httpx
-import openai
 
 from server_utils import MODEL, LiveServer, read_sse
 
@@ -24,10 +23,6 @@ CLOCK = {"type": "function", "function": {
 TOOLS = [WEATHER, CLOCK]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 HAND_WRITTEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
-
-
-def client_for(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def stream_chunks(server: LiveServer, path: str, body: dict) -> list[dict]:

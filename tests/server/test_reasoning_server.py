@@ -9,8 +9,8 @@ import httpx
 import jsonschema
 import pytest
 
-from server_utils import MODEL, LiveServer, start_server
-from structured_cases import MSG, PERSON, client_for, stream_chunks
+from server_utils import MODEL, LiveServer, client_for, start_server
+from structured_cases import MSG, PERSON, stream_chunks
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import MODEL, LiveServer, read_sse, start_server
+from server_utils import MODEL, LiveServer, client_for, read_sse, start_server
 
 PROMPT = "The quick brown fox"
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -25,7 +25,7 @@ def live(loaded_model) -> LiveServer:
 
 @pytest.fixture(scope="module")
 def client(live: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return client_for(live)
 
 
 @pytest.fixture(scope="module")

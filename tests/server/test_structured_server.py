@@ -12,8 +12,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from server_utils import MODEL, LiveServer, start_server
-from structured_cases import MSG, PERSON, SCHEMAS, TOOLS, client_for, stream_chunks, tool_stream
+from server_utils import MODEL, LiveServer, client_for, start_server
+from structured_cases import MSG, PERSON, SCHEMAS, TOOLS, stream_chunks, tool_stream
 
 
 class Pet(BaseModel):

@@ -9,8 +9,8 @@ import json
 import httpx
 import pytest
 
-from server_utils import MODEL, LiveServer, start_server
-from structured_cases import HAND_WRITTEN_CALL, MSG, TOOLS, client_for, tool_stream
+from server_utils import MODEL, LiveServer, client_for, start_server
+from structured_cases import HAND_WRITTEN_CALL, MSG, TOOLS, tool_stream
 
 
 @pytest.fixture(scope="module")

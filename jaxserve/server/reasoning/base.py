@@ -56,9 +56,7 @@ class ReasoningParser:
 
     def _initial_phase(self, prompt_text: str) -> tuple[_Phase, bool]:
         """(phase, default side of OPENING is reasoning) for a generation that follows prompt_text."""
-        if prompt_text.rstrip().endswith(self.end_tag):
-            # The template closed an (empty) block itself, e.g. Qwen3 with enable_thinking=false:
-            # no reasoning can come, the answer follows.
+        if self.prompt_closes_reasoning(prompt_text):
             return _Phase.AFTER_END, False
         inside = self.reasoning_by_default or self.starts_in_reasoning(prompt_text)
         return _Phase.OPENING, inside
@@ -80,6 +78,12 @@ class ReasoningParser:
     def reasoning_ended(self) -> bool:
         """The reasoning part is over: its end tag was seen, or it never started and cannot now."""
         return self._phase in (_Phase.AFTER_END, _Phase.CONTENT)
+
+    @classmethod
+    def prompt_closes_reasoning(cls, prompt_text: str) -> bool:
+        """The template closed an (empty) block itself, e.g. Qwen3 with enable_thinking=false: no
+        reasoning can come, the answer follows."""
+        return prompt_text.rstrip().endswith(cls.end_tag)
 
     @classmethod
     def starts_in_reasoning(cls, prompt_text: str) -> bool:
