@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -9,17 +10,37 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from checkpoints import orbax_io
-from checkpoints.hf import load_weights, resolve_model_dir
+from checkpoints.hf import load_weights, resolve_model_dir, tensor_names
+from checkpoints.quantized import parts_of
 from jaxserve.config import ModelConfig
 from jaxserve.model.weights import Weights
+from jaxserve.quant.scheme import online_scheme
 
 
-def load_model(name_or_path: str | Path, mesh: Mesh, dtype: Any = jnp.float32) -> tuple[ModelConfig, Weights]:
-    """Config and sharded weights from a HF directory, a cached hub id, or a converted directory."""
+def load_model(name_or_path: str | Path, mesh: Mesh, dtype: Any = jnp.float32,
+               quantization: str | None = None) -> tuple[ModelConfig, Weights]:
+    """Config and sharded weights from a HF directory, a cached hub id, or a converted directory.
+
+    quantization: an online scheme ("int8", "int4", "fp8") applied while the tensors load; a
+    converted directory keeps the scheme it was converted with."""
     model_dir = resolve_model_dir(name_or_path)
     cfg = ModelConfig.from_hf(model_dir)
     if orbax_io.is_converted(model_dir):
+        saved = orbax_io.saved_quantization(model_dir)
+        if quantization is not None and (saved is None or saved.method != quantization):
+            raise ValueError(f"{model_dir} was converted {'without quantization' if saved is None else 'with ' + saved.method}"
+                             f"; convert it again with --quantization {quantization}")
+        cfg = dataclasses.replace(cfg, quantization=saved)
         return cfg, orbax_io.restore(model_dir, cfg, mesh, dtype)
+    if cfg.quantization is not None:  # a pre-quantized checkpoint
+        if quantization is not None:
+            raise ValueError(f"{model_dir} is already quantized ({cfg.quantization.method}); drop --quantization "
+                             f"{quantization}")
+        # Formats leave lm_head out by listing it, or just by not quantizing it: the tensors decide.
+        lm_head = f"lm_head.{parts_of(cfg.quantization)[0][-1]}" in tensor_names(model_dir)
+        cfg = dataclasses.replace(cfg, quantization=dataclasses.replace(cfg.quantization, lm_head=lm_head))
+    elif quantization is not None:
+        cfg = dataclasses.replace(cfg, quantization=online_scheme(quantization))
     return cfg, load_weights(model_dir, cfg, mesh, dtype)
 
 

@@ -8,18 +8,22 @@ never holds more than its shard of the weights plus one tensor in flight.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 from safetensors import safe_open
 
+from checkpoints import quantized
 from jaxserve.config import ModelConfig
 from jaxserve.model import weights as W
+from jaxserve.quant import host as quant_host
 
 # Tensors transformers may store that carry no weights we need.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -66,11 +70,41 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _read_raw(file: Path, name: str) -> np.ndarray:
+    """A tensor whose dtype safetensors' numpy reader lacks (float8), read from the file's header
+    (8-byte little-endian length, JSON of dtype/shape/offsets) and a memory map."""
+    with open(file, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        entry = json.loads(fh.read(n))[name]
+    if entry["dtype"] not in _RAW_DTYPES:
+        raise ValueError(f"tensor {name!r} in {file.name} has unsupported dtype {entry['dtype']}")
+    start, end = entry["data_offsets"]
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + n + start, shape=(end - start,))
+    return np.array(data).view(_RAW_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
 def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
     for file in files:
         with safe_open(str(file), framework="numpy") as f:
             for name in f.keys():
-                yield name, (lambda f=f, name=name: f.get_tensor(name))
+                def read(f=f, name=name, file=file) -> np.ndarray:
+                    try:
+                        return f.get_tensor(name)
+                    except (AttributeError, TypeError, ValueError):  # numpy has no float8
+                        return _read_raw(file, name)
+                yield name, read
+
+
+def tensor_names(model_dir: str | Path) -> set[str]:
+    """Every tensor name of a checkpoint (headers only)."""
+    names: set[str] = set()
+    for file in _safetensors_files(Path(model_dir)):
+        with safe_open(str(file), framework="numpy") as f:
+            names.update(f.keys())
+    return names
 
 
 def _heads(n: int, hd: int) -> Callable[[np.ndarray], np.ndarray]:
@@ -139,33 +173,79 @@ def _set(tree: W.Weights, path: tuple[Any, ...], value: Any) -> W.Weights:
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any = jnp.float32) -> W.Weights:
-    """Reads every tensor of the checkpoint onto its sharding; errors name the offending tensor."""
+    """Reads every tensor of the checkpoint onto its sharding; errors name the offending tensor.
+
+    Quantized leaves are filled on the host before placement: by quantizing the full-precision
+    tensor (online schemes), or by unpacking a pre-quantized Linear's tensors once all of them
+    have been read (checkpoints/quantized.py)."""
     model_dir = Path(model_dir)
     spec_tree = W.abstract(cfg, dtype)
     sharding_tree = W.shardings(spec_tree, cfg, mesh)
     table = _name_table(cfg)
-    out = jax.tree.map(lambda _: None, spec_tree, is_leaf=lambda x: isinstance(x, W.ParamSpec))
-    seen: set[str] = set()
+    q = cfg.quantization
+    # Pre-quantized formats: HF module prefix -> its "<prefix>.weight" table entry, per quantized leaf.
+    modules: dict[str, str] = {}
+    needed: tuple[str, ...] = ()
+    ignored: tuple[str, ...] = ()
+    if q is not None and q.checkpoint_format is not None:
+        needed, ignored = quantized.parts_of(q)
+        modules = {n[: -len(".weight")]: n for n, (path, _) in table.items()
+                   if n.endswith(".weight") and W.is_quantized(_get(spec_tree, path))}
+    pending: dict[str, dict[str, np.ndarray]] = {}
+    out = jax.tree.map(lambda _: None, spec_tree, is_leaf=lambda x: W.is_spec(x) or W.is_quantized(x))
+    seen: set[str] = set()      # table entries placed
+    received: set[str] = set()  # every tensor name read
     for name, read in _iter_tensors(_safetensors_files(model_dir)):
-        if name in seen:
+        if name in received:
             raise ValueError(f"tensor {name!r} appears in more than one safetensors file")
+        received.add(name)
+        prefix, _, part = name.rpartition(".")
+        if prefix in modules:
+            path = table[modules[prefix]][0]
+            spec = _get(spec_tree, path)
+            if part == "g_idx" and not q.act_order:
+                quantized.check_g_idx(read(), math.prod(spec.qvalue.shape[a] for a in spec.qvalue.contract),
+                                      q.group_size, prefix)
+                continue
+            if part in ignored:
+                continue
+            if part not in needed:
+                raise ValueError(f"unexpected tensor {name!r} for a {q.method} checkpoint (a quantized Linear "
+                                 f"has {', '.join(needed)})")
+            parts = pending.setdefault(prefix, {})
+            parts[part] = read()
+            if all(p in parts for p in needed):
+                pad = W.padded_vocab(cfg) - cfg.vocab_size if path == ("lm_head",) else 0
+                host = quantized.assemble(pending.pop(prefix), q, spec, prefix, pad)
+                out = _set(out, path, jax.device_put(host, _get(sharding_tree, path)))
+                seen.add(modules[prefix])
+            continue
         if name not in table:
             if _IGNORED.match(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             raise ValueError(f"unexpected tensor {name!r} in {model_dir} for a {cfg.architecture} config")
         seen.add(name)
         path, transform = table[name]
-        spec: W.ParamSpec = _get(spec_tree, path)
+        spec = _get(spec_tree, path)
+        online = W.is_quantized(spec)
+        shape = spec.qvalue.shape if online else spec.shape
         raw = read()
         try:
             host = np.ascontiguousarray(transform(raw))
         except ValueError as e:
             raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit the config: {e}") from e
-        if host.shape != spec.shape:
+        if host.shape != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(raw.shape)} (as {host.shape} after layout), "
-                             f"expected {spec.shape} from config.json")
-        value = jax.device_put(host.astype(jnp.dtype(dtype)), _get(sharding_tree, path))
-        out = _set(out, path, value)
+                             f"expected {shape} from config.json")
+        if online:  # quantized on the host, so only the packed values are placed
+            values, scale = quant_host.quantize(host, spec.qtype, spec.scale.shape)
+            host = spec.replace(qvalue=values, scale=scale.astype(jnp.dtype(dtype)))
+        else:
+            host = host.astype(jnp.dtype(dtype))
+        out = _set(out, path, jax.device_put(host, _get(sharding_tree, path)))
+    for prefix, parts in pending.items():
+        raise ValueError(f"checkpoint in {model_dir} has only {sorted(parts)} of {prefix!r}; a {q.method} "
+                         f"Linear needs {', '.join(needed)}")
     missing = sorted(set(table) - seen)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} is missing tensors: {missing[:8]}"

@@ -133,8 +133,9 @@ def stable_page_count(pages: int) -> int:
     return pages >> drop << drop
 
 
-def _pow2_floor(x: float) -> int:
-    return 1 << max(0, int(math.floor(math.log2(max(1.0, x)))))
+def _pow2_nearest(x: float) -> int:
+    """The power of two nearest to x on a log scale (1988 -> 2048, 1400 -> 1024)."""
+    return 1 << max(0, round(math.log2(max(1.0, x))))
 
 
 def _platform_limits(model: ModelConfig, machine: MachineInfo) -> tuple[int, int, str]:
@@ -142,7 +143,7 @@ def _platform_limits(model: ModelConfig, machine: MachineInfo) -> tuple[int, int
     if machine.platform == "cpu":
         rate = CPU_FLOPS_PER_CORE[machine.cpu_isa]
         step_flops = rate * machine.cpu_cores * CPU_STEP_SECONDS
-        tokens = _pow2_floor(step_flops / flops_per_token(model))
+        tokens = _pow2_nearest(step_flops / flops_per_token(model))
         tokens = min(CPU_MAX_BATCHED_TOKENS, max(CPU_MIN_BATCHED_TOKENS, tokens))
         why = (f"CPU: {machine.cpu_cores} cores x {rate / 1e9:.0f} GFLOP/s nominal ({machine.cpu_isa}) x "
                f"{CPU_STEP_SECONDS}s per full step at {flops_per_token(model) / 1e6:.1f} MFLOP/token")
@@ -233,6 +234,7 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
     lines = [
         f"machine: {machine.platform} ({machine.device_kind}), {_gib(machine.memory_per_device)} per device, "
         f"{machine.cpu_cores} cores",
+        f"weights: {model.quantization.describe() if model.quantization else 'not quantized'}",
         f"KV pool: {num_pages} pages x {engine.page_size} tokens = {pool_tokens} tokens, {_gib(pool_bytes)} per "
         f"device ({pool_why})",
         f"max_model_len {max_model_len}; max_num_seqs {max_num_seqs}; max_num_batched_tokens "

@@ -75,6 +75,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mesh", type=_mesh, default=None, help="device mesh DATAxMODEL (default: 1x1)")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, else the checkpoint's), float32, "
                    "bfloat16, float16")
+    _quantization_arg(g)
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="waiting order: arrival, or the request's priority (lower first) then arrival")
     g.add_argument("--attention-backend", choices=("auto", "reference", "tpu", "gpu"), default="auto",
@@ -84,6 +85,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="queued sequences beyond which new requests get 429")
     g.add_argument("--seed", type=int, default=0, help="seeds the random seeds of requests that bring none")
+
+
+def _quantization_arg(g: "argparse._ActionsContainer") -> None:
+    g.add_argument("--quantization", choices=("int8", "int4", "fp8"), default=None,
+                   help="quantize the weights at load (weight-only: int8 per output channel, int4 in groups of "
+                   "128 inputs, fp8 e4m3 per output channel); default: as the checkpoint is")
 
 
 def _size_args(g: argparse._ArgumentGroup) -> None:
@@ -123,7 +130,7 @@ def _engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  
     return EngineConfig(
         model_id=model_id, **_size_fields(args), enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
-        dtype=None if args.dtype == "auto" else args.dtype, mesh_shape=mesh,
+        dtype=None if args.dtype == "auto" else args.dtype, quantization=args.quantization, mesh_shape=mesh,
         attention_backend=args.attention_backend, compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,
         seed=args.seed)
 
@@ -225,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src", help="HF model directory or cached hub id")
     c.add_argument("dst", help="output directory")
     c.add_argument("--dtype", default=None, help="weight dtype to store (default: the checkpoint's dtype)")
+    _quantization_arg(c)
 
     pl = command("plan", "will a model fit a TPU/GPU/CPU target, and how fast can it decode? Compiles the "
                  "serving programs for the target (no device needed) and reports memory, collectives and a "
@@ -239,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "target; the rest run data-parallel replicas)")
     g.add_argument("--dtype", default="auto", help="auto (float32 on cpu, else the checkpoint's), float32, "
                    "bfloat16, float16")
+    _quantization_arg(g)
     g = pl.add_argument_group("engine")
     _size_args(g)
     g = pl.add_argument_group("report")
@@ -309,7 +318,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run(args, EngineConfig(**_size_fields(args)))
     from jaxserve.server.commands import convert
 
-    print(f"wrote {convert(args.src, args.dst, args.dtype)}")
+    print(f"wrote {convert(args.src, args.dst, args.dtype, args.quantization)}")
     return 0
 
 

@@ -11,9 +11,12 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxserve import buckets
+
+if TYPE_CHECKING:
+    from jaxserve.quant.scheme import WeightQuant
 
 # architecture name -> family; a family fixes which optional parts exist (biases, q/k norms).
 SUPPORTED_ARCHITECTURES = {
@@ -70,6 +73,7 @@ class ModelConfig:
     dtype: str = "float32"    # the checkpoint's dtype
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    quantization: WeightQuant | None = None  # quantized weights (quant/scheme.py); None: full precision
 
     @property
     def q_per_kv(self) -> int:
@@ -207,6 +211,10 @@ def _parse_hf(cfg: dict) -> ModelConfig:
     except ValueError:
         raise ValueError(f"unsupported config.json 'dtype' {raw_dtype!r}") from None
     attention_bias = bool(cfg.get("attention_bias", False))
+    quantization = None
+    if cfg.get("quantization_config") is not None:
+        from jaxserve.quant.hf_config import scheme_from_hf
+        quantization = scheme_from_hf(cfg["quantization_config"])
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelConfig(
@@ -223,7 +231,7 @@ def _parse_hf(cfg: dict) -> ModelConfig:
         qk_norm=family == "qwen3",
         layer_windows=_layer_windows(cfg, family, num_layers),
         dtype=dtype_name,
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, quantization=quantization,
     )
 
 
@@ -245,6 +253,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"          # "fcfs" | "priority"
     dtype: str | None = None                 # None: float32 on CPU, the checkpoint's dtype elsewhere
+    quantization: str | None = None          # online weight quantization: "int8" | "int4" | "fp8" (quant/scheme.py)
     mesh_shape: tuple[int, int] = (1, 1)     # (data, model)
     attention_backend: str = "auto"          # "auto" | "reference" | "tpu" | "gpu"
     token_buckets: tuple[int, ...] | None = None   # None: the geometric ladder (buckets.py)

@@ -32,6 +32,7 @@ from jaxserve.capacity import MachineInfo, flops_per_sampled_row, flops_per_toke
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layouts import Layout, check_divides
 from jaxserve.model import weights as weights_mod
+from jaxserve.quant.scheme import qtype_bits
 from jaxserve.model.attention import make_attention
 from jaxserve.model.kv_heads import duplicated_config, kv_duplication
 from jaxserve.buckets import Program, serving_programs
@@ -111,10 +112,9 @@ def weight_bytes_per_device(cfg: ModelConfig, dtype: Any, mesh: jax.sharding.Mes
     """Bytes of the weight shards one device holds (from the declaration and the rules)."""
     specs = weights_mod.abstract(cfg, dtype)
     shards = weights_mod.shardings(specs, cfg, mesh, rules)
-    is_spec = lambda x: isinstance(x, weights_mod.ParamSpec)  # noqa: E731
     total = 0
-    for spec, shard in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(shards)):
-        total += math.prod(shard.shard_shape(spec.shape)) * jnp.dtype(spec.dtype).itemsize
+    for spec, shard in zip(jax.tree.leaves(specs, is_leaf=weights_mod.is_spec), jax.tree.leaves(shards)):
+        total += math.prod(shard.shard_shape(spec.shape)) * qtype_bits(spec.dtype) // 8  # int4 packs two a byte
     return total
 
 

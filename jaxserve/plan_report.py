@@ -120,12 +120,15 @@ def run(args: argparse.Namespace, engine: Any) -> int:
     jax.config.update("jax_platforms", "cpu")
 
     from jaxserve.config import ModelConfig, normalize_dtype_name
+    from jaxserve.quant.scheme import online_scheme
     from jaxserve.layouts import make_layout
     from jaxserve.plan import plan_deployment, sweep
     from jaxserve.targets import parse_target
 
     target = parse_target(args.target)
     model = ModelConfig.from_hf(_config_path(args.model))
+    if args.quantization is not None:
+        model = dataclasses.replace(model, quantization=online_scheme(args.quantization))
     if args.dtype == "auto":  # what serving picks: float32 on a CPU, the checkpoint's dtype elsewhere
         dtype = jnp.float32 if target.chip.platform == "cpu" else jnp.dtype(model.dtype)
     else:

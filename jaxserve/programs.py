@@ -82,10 +82,7 @@ def copy_width(engine_cfg: EngineConfig) -> int:
 def abstract_weights(model_cfg: ModelConfig, dtype: Any, mesh: Mesh,
                      rules: sharding.Rules = sharding.DEFAULT_RULES) -> Weights:
     """The weight pytree as ShapeDtypeStructs placed on `mesh` (no memory)."""
-    specs = weights_mod.abstract(model_cfg, dtype)
-    shards = weights_mod.shardings(specs, model_cfg, mesh, rules)
-    return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype), sharding=s), specs, shards,
-                        is_leaf=lambda x: isinstance(x, weights_mod.ParamSpec))
+    return weights_mod.abstract_arrays(model_cfg, dtype, mesh, rules)
 
 
 def abstract_kv(model_cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, mesh: Mesh,

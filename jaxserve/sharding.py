@@ -73,12 +73,18 @@ def rules_for(dims: Mapping[str, int], mesh: Mesh,
     return out
 
 
-def spec(*logical_names: str | None, rules: Mapping[str, str | None]) -> PartitionSpec:
-    """PartitionSpec for an array whose axes carry these logical names (None = never split)."""
+def spec(*logical_names: str | None, rules: Mapping[str, str | None],
+         shape: Sequence[int] | None = None, mesh: Mesh | None = None) -> PartitionSpec:
+    """PartitionSpec for an array whose axes carry these logical names (None = never split).
+
+    With `shape` and `mesh`, an axis the mesh axis does not divide stays whole (a quantized
+    weight's scale has fewer groups than its values have rows)."""
     used: set[str] = set()
     axes = []
-    for name in logical_names:
+    for i, name in enumerate(logical_names):
         axis = rules.get(name) if name is not None else None
+        if axis is not None and shape is not None and mesh is not None and shape[i] % mesh.shape[axis]:
+            axis = None
         if axis is not None and axis in used:  # one mesh axis can split only one array axis
             axis = None
         if axis is not None:
@@ -87,8 +93,9 @@ def spec(*logical_names: str | None, rules: Mapping[str, str | None]) -> Partiti
     return PartitionSpec(*axes)
 
 
-def named(mesh: Mesh, *logical_names: str | None, rules: Mapping[str, str | None]) -> NamedSharding:
-    return NamedSharding(mesh, spec(*logical_names, rules=rules))
+def named(mesh: Mesh, *logical_names: str | None, rules: Mapping[str, str | None],
+          shape: Sequence[int] | None = None) -> NamedSharding:
+    return NamedSharding(mesh, spec(*logical_names, rules=rules, shape=shape, mesh=mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -62,7 +62,9 @@ def test_a_bigger_model_gets_a_smaller_cpu_step():
                                num_kv_heads=4, head_dim=64)  # the bench-105m preset
     assert capacity.flops_per_token(m105) == 2 * 8 * (512 * 64 * 24 + 3 * 512 * 1536) == 50_331_648
     e = plan_capacity(EngineConfig(), m105, CPU_2, itemsize=4).engine
-    assert e.max_num_batched_tokens == 1024            # 100 GFLOP / 50.3 MFLOP = 1988 -> 1024
+    assert e.max_num_batched_tokens == 2048            # 100 GFLOP / 50.3 MFLOP = 1988 -> the nearest power of 2
+    m140 = dataclasses.replace(m105, intermediate_size=2560)  # 70.4 MFLOP/token: 1420 -> 1024
+    assert plan_capacity(EngineConfig(), m140, CPU_2, itemsize=4).engine.max_num_batched_tokens == 1024
     avx512 = dataclasses.replace(CPU_2, cpu_isa="avx512", cpu_cores=4)
     assert plan_capacity(EngineConfig(), m105, avx512, itemsize=4).engine.max_num_batched_tokens == 2048
     # 16 KiB of KV per token: the 4 GiB cap holds 262,144 tokens, below 256 x 2048

@@ -10,8 +10,8 @@ imports directly: transformers imports jinja2 only inside `apply_chat_template`,
   pyproject's `[project].dependencies`;
 - dynamic: the real server path runs in subprocesses where every installed distribution outside
   that closure cannot be found (as on a fresh install): the embedded model's tokenizer and chat
-  template, the app, `jaxserve serve` answering a chat request and a JSON-schema one (llguidance),
-  and `jaxserve bench` against it.
+  template, the app, a forward pass with int4-quantized weights (qwix), `jaxserve serve` answering
+  a chat request and a JSON-schema one (llguidance), and `jaxserve bench` against it.
   Its log must also be free of start-up noise (torch not found, libtpu missing).
 """
 
@@ -228,6 +228,18 @@ import jaxserve.server.launch
 from jaxserve.server import ServerConfig, build_app
 
 build_app(lambda: None, ServerConfig())  # the loader only runs once the app is served
+
+# Quantized weights (qwix, ml_dtypes): the embedded model's shape, int4 at load, one forward.
+import dataclasses
+import jax.numpy as jnp
+from jaxserve.config import ModelConfig
+from jaxserve.model.dense import forward_dense
+from jaxserve.model.weights import init_random
+from jaxserve.quant.scheme import online_scheme
+
+qcfg = dataclasses.replace(ModelConfig.from_hf(model_dir), quantization=online_scheme("int4"))
+logits = forward_dense(init_random(qcfg), qcfg, jnp.asarray([[1, 2, 3]]), jnp.ones((1, 3), jnp.int32))
+assert logits.shape == (1, 3, qcfg.vocab_size) and bool(jnp.isfinite(logits).all())
 
 report = Path(sys.argv[2])
 rc = jaxserve.cli.main(["bench", "--base-url", sys.argv[1], "--model", "jaxserve-tiny", "--endpoint", "chat",

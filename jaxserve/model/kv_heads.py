@@ -42,7 +42,12 @@ def repeat_kv(weights: Weights, factor: int) -> Weights:
         return weights
 
     def layer(lw: LayerWeights) -> LayerWeights:
-        rep = lambda w, axis: None if w is None else jnp.repeat(w, factor, axis=axis)  # noqa: E731
+        def rep(w, axis):
+            # A quantized projection repeats its values, scales and zero points alike; an input
+            # permutation (activation order) is over the inputs, which do not change.
+            if hasattr(w, "perm"):
+                return w.replace(weight=rep(w.weight, axis))
+            return jax.tree.map(lambda a: jnp.repeat(a, factor, axis=axis), w)
         return dataclasses.replace(lw, wk=rep(lw.wk, 1), wv=rep(lw.wv, 1), bk=rep(lw.bk, 0), bv=rep(lw.bv, 0))
 
     return dataclasses.replace(weights, layers=[layer(lw) for lw in weights.layers])

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import rope
+from jaxserve.model.matmul import einsum
 from jaxserve.model.weights import LayerWeights, Weights
 
 # attend(layer_index, q [..., Hq, hd], k [..., Hkv, hd], v [..., Hkv, hd], cache) -> (out [..., Hq, hd], cache)
@@ -35,9 +36,9 @@ def _add(x: jax.Array, bias: jax.Array | None) -> jax.Array:
 
 def qkv(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig
         ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q = _add(jnp.einsum("...d,dhk->...hk", x, layer.wq), layer.bq)
-    k = _add(jnp.einsum("...d,dhk->...hk", x, layer.wk), layer.bk)
-    v = _add(jnp.einsum("...d,dhk->...hk", x, layer.wv), layer.bv)
+    q = _add(einsum("...d,dhk->...hk", x, layer.wq), layer.bq)
+    k = _add(einsum("...d,dhk->...hk", x, layer.wk), layer.bk)
+    v = _add(einsum("...d,dhk->...hk", x, layer.wv), layer.bv)
     if cfg.qk_norm:
         q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
@@ -45,16 +46,16 @@ def qkv(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: 
 
 
 def mlp(layer: LayerWeights, x: jax.Array) -> jax.Array:
-    gate = _add(jnp.einsum("...d,df->...f", x, layer.w_gate), layer.b_gate)
-    up = _add(jnp.einsum("...d,df->...f", x, layer.w_up), layer.b_up)
-    return _add(jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, layer.w_down), layer.b_down)
+    gate = _add(einsum("...d,df->...f", x, layer.w_gate), layer.b_gate)
+    up = _add(einsum("...d,df->...f", x, layer.w_up), layer.b_up)
+    return _add(einsum("...f,fd->...d", jax.nn.silu(gate) * up, layer.w_down), layer.b_down)
 
 
 def lm_head(weights: Weights, x: jax.Array) -> jax.Array:
     """x: [..., D] -> float32 logits [..., Vp] (padded vocabulary)."""
     if weights.lm_head is None:
         return jnp.einsum("...d,vd->...v", x, weights.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", x, weights.lm_head, preferred_element_type=jnp.float32)
+    return einsum("...d,dv->...v", x, weights.lm_head, preferred_element_type=jnp.float32)
 
 
 def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -74,7 +75,7 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
         q, k, v = qkv(layer, h, cos, sin, cfg)
         out, cache = attend(i, q, k, v, caches[i])
         new_caches.append(cache)
-        x = x + _add(jnp.einsum("...hk,hkd->...d", out.astype(x.dtype), layer.wo), layer.bo)
+        x = x + _add(einsum("...hk,hkd->...d", out.astype(x.dtype), layer.wo), layer.bo)
         x = x + mlp(layer, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps))
     if logits_index is not None:
         x = jnp.take(x.reshape(-1, x.shape[-1]), logits_index, axis=0)

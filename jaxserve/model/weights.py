@@ -8,14 +8,14 @@ Layout: projections are stored input-features first (`x @ w`), heads as their ow
 einsum strings document the math (`"td,dhk->thk"`). The vocabulary is padded to a multiple of
 `config.VOCAB_PAD` so it splits evenly over the model axis; padded logits are masked by the sampler.
 
-A leaf may later become a (values, scales) pair for quantized weights: the projections in
-model/transformer.py (`qkv`, `mlp`, the output projection, `lm_head`) are the places that would
-learn to dequantize.
+Quantized weights: with `cfg.quantization` set, every projection (and the untied lm_head where the
+scheme says so) is declared as a qwix `QArray` whose fields are `ParamSpec`s (values, scale, zero
+point; quant/layout.py), so the same tree maps give their shardings, init and checks. Model code
+multiplies through `model/matmul.py`, which takes either kind of leaf.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -26,14 +26,8 @@ from jax.sharding import Mesh
 
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    shape: tuple[int, ...]
-    dtype: Any
-    axes: tuple[str | None, ...]  # logical axis names, one per dim
-    init: str = "normal"          # "normal" | "ones" | "zeros"
+from jaxserve.model.param_spec import ParamSpec, is_spec
+from jaxserve.quant import host as quant_host
 
 
 @struct.dataclass
@@ -81,20 +75,30 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hq, hkv, vp = cfg.num_heads, cfg.num_kv_heads, padded_vocab(cfg)
 
+    quant = cfg.quantization
+
     def p(shape, axes, init="normal"):
         return ParamSpec(tuple(shape), dtype, tuple(axes), init)
+
+    def proj(shape, axes, contract, name, quantize=True):
+        """A projection: quantized under cfg.quantization, plain otherwise."""
+        spec = ParamSpec(tuple(shape), dtype, tuple(axes), "normal", tuple(contract))
+        if quant is None or not quantize:
+            return spec
+        from jaxserve.quant.layout import declare
+        return declare(spec, quant, dtype, name)
 
     def layer() -> LayerWeights:
         return LayerWeights(
             attn_norm=p([d], ["embed"], "ones"),
-            wq=p([d, hq, hd], ["embed", "q_heads", "head_dim"]),
-            wk=p([d, hkv, hd], ["embed", "kv_heads", "head_dim"]),
-            wv=p([d, hkv, hd], ["embed", "kv_heads", "head_dim"]),
-            wo=p([hq, hd, d], ["q_heads", "head_dim", "embed"]),
+            wq=proj([d, hq, hd], ["embed", "q_heads", "head_dim"], [0], "q_proj"),
+            wk=proj([d, hkv, hd], ["embed", "kv_heads", "head_dim"], [0], "k_proj"),
+            wv=proj([d, hkv, hd], ["embed", "kv_heads", "head_dim"], [0], "v_proj"),
+            wo=proj([hq, hd, d], ["q_heads", "head_dim", "embed"], [0, 1], "o_proj"),
             mlp_norm=p([d], ["embed"], "ones"),
-            w_gate=p([d, f], ["embed", "mlp"]),
-            w_up=p([d, f], ["embed", "mlp"]),
-            w_down=p([f, d], ["mlp", "embed"]),
+            w_gate=proj([d, f], ["embed", "mlp"], [0], "gate_proj"),
+            w_up=proj([d, f], ["embed", "mlp"], [0], "up_proj"),
+            w_down=proj([f, d], ["mlp", "embed"], [0], "down_proj"),
             bq=p([hq, hd], ["q_heads", "head_dim"], "zeros") if cfg.qkv_bias else None,
             bk=p([hkv, hd], ["kv_heads", "head_dim"], "zeros") if cfg.qkv_bias else None,
             bv=p([hkv, hd], ["kv_heads", "head_dim"], "zeros") if cfg.qkv_bias else None,
@@ -110,31 +114,50 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
         embed=p([vp, d], ["vocab", "embed"]),
         layers=[layer() for _ in range(cfg.num_layers)],
         final_norm=p([d], ["embed"], "ones"),
-        lm_head=None if cfg.tie_word_embeddings else p([d, vp], ["embed", "vocab"]),
+        lm_head=None if cfg.tie_word_embeddings else proj([d, vp], ["embed", "vocab"], [0], "lm_head",
+                                                          quantize=quant is not None and quant.lm_head),
     )
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, ParamSpec)
 
 
 def shardings(abstract_weights: Weights, cfg: ModelConfig, mesh: Mesh,
               rules: sharding.Rules = sharding.DEFAULT_RULES) -> Weights:
     """NamedSharding for every leaf, from its logical axes, the rules and the mesh."""
     rules = sharding.rules_for(logical_dims(cfg), mesh, rules)
-    return jax.tree.map(lambda s: sharding.named(mesh, *s.axes, rules=rules), abstract_weights, is_leaf=_is_spec)
+    return jax.tree.map(lambda s: sharding.named(mesh, *s.axes, rules=rules, shape=s.shape), abstract_weights,
+                        is_leaf=is_spec)
+
+
+def abstract_arrays(cfg: ModelConfig, dtype: Any, mesh: Mesh,
+                    rules: sharding.Rules = sharding.DEFAULT_RULES) -> Weights:
+    """The weight pytree as ShapeDtypeStructs placed on `mesh` (no memory)."""
+    specs = abstract(cfg, dtype)
+    return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype), sharding=s), specs,
+                        shardings(specs, cfg, mesh, rules), is_leaf=is_spec)
+
+
+def is_quantized(leaf: Any) -> bool:
+    """A quantized leaf (of arrays or of ParamSpecs): a qwix QArray, or an InputPermuted around one;
+    checked without importing qwix."""
+    return (hasattr(leaf, "qvalue") and hasattr(leaf, "scale")) or hasattr(leaf, "perm")
 
 
 def init_random(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, std: float = 0.02) -> Weights:
     """Seeded random weights (numpy, host) in the declared shapes; for tests and tiny models."""
     rng = np.random.default_rng(seed)
 
-    def make(s: ParamSpec) -> np.ndarray:
+    def make(s: Any) -> Any:
+        if is_quantized(s):  # random full-precision values, quantized as a checkpoint would be at load
+            if getattr(s, "zero_point", None) is not None or hasattr(s, "perm"):
+                raise ValueError("random init of a zero-point or activation-order scheme is not supported; "
+                                 "load a checkpoint")
+            values, scale = quant_host.quantize(make(s.qvalue), s.qtype, s.scale.shape)
+            return s.replace(qvalue=values, scale=scale)
         if s.init == "ones":
             return np.ones(s.shape, np.float32)
         if s.init == "zeros":
             return np.zeros(s.shape, np.float32)
         return (rng.standard_normal(s.shape, dtype=np.float32) * std)
 
-    host = jax.tree.map(make, abstract(cfg, dtype), is_leaf=_is_spec)
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), host)
+    specs = abstract(cfg, dtype)
+    host = jax.tree.map(make, specs, is_leaf=lambda x: is_spec(x) or is_quantized(x))
+    return jax.tree.map(lambda a, s: jnp.asarray(a, dtype=s.dtype), host, specs)

@@ -94,8 +94,9 @@ def _power_of_two_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def convert(src: str, dst: str, dtype: str | None = None) -> Path:
-    """HF safetensors (or a converted dir) at src -> orbax checkpoint + HF metadata at dst."""
+def convert(src: str, dst: str, dtype: str | None = None, quantization: str | None = None) -> Path:
+    """HF safetensors (or a converted dir) at src -> orbax checkpoint + HF metadata at dst
+    (quantized with an online scheme when `quantization` names one)."""
     import jax.numpy as jnp
 
     from checkpoints import load_model, orbax_io, resolve_model_dir
@@ -105,8 +106,8 @@ def convert(src: str, dst: str, dtype: str | None = None) -> Path:
 
     src_dir = resolve_model_dir(src)
     target = resolve_dtype(dtype, "float32") if dtype else jnp.dtype(ModelConfig.from_hf(src_dir).dtype)
-    _, weights = load_model(src_dir, make_mesh(1, 1), target)
-    return orbax_io.save(weights, dst, src_model_dir=src_dir)
+    cfg, weights = load_model(src_dir, make_mesh(1, 1), target, quantization)
+    return orbax_io.save(weights, dst, src_model_dir=src_dir, quantization=cfg.quantization)
 
 
 def bench(argv: list[str]) -> int:
