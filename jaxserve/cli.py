@@ -90,7 +90,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _quantization_arg(g: "argparse._ActionsContainer") -> None:
     g.add_argument("--quantization", choices=("int8", "int4", "fp8"), default=None,
                    help="quantize the weights at load (weight-only: int8 per output channel, int4 in groups of "
-                   "128 inputs, fp8 e4m3 per output channel); default: as the checkpoint is")
+                   "128 inputs, fp8 e4m3 per output channel) (default: none, the weights as the checkpoint stores them)")
 
 
 def _size_args(g: argparse._ArgumentGroup) -> None:
