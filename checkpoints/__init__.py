@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 from checkpoints import orbax_io
 from checkpoints.hf import load_weights, resolve_model_dir, tensor_names
-from checkpoints.quantized import parts_of
+from checkpoints.quantized import quantized_marker_part
 from jaxserve.config import ModelConfig
 from jaxserve.model.weights import Weights
 from jaxserve.quant.scheme import online_scheme
@@ -37,7 +37,7 @@ def load_model(name_or_path: str | Path, mesh: Mesh, dtype: Any = jnp.float32,
             raise ValueError(f"{model_dir} is already quantized ({cfg.quantization.method}); drop --quantization "
                              f"{quantization}")
         # Formats leave lm_head out by listing it, or just by not quantizing it: the tensors decide.
-        lm_head = f"lm_head.{parts_of(cfg.quantization)[0][-1]}" in tensor_names(model_dir)
+        lm_head = f"lm_head.{quantized_marker_part(cfg.quantization)}" in tensor_names(model_dir)
         cfg = dataclasses.replace(cfg, quantization=dataclasses.replace(cfg.quantization, lm_head=lm_head))
     elif quantization is not None:
         cfg = dataclasses.replace(cfg, quantization=online_scheme(quantization))

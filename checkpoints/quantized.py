@@ -61,15 +61,21 @@ def _fp8(parts: dict[str, np.ndarray], q: WeightQuant, name: str) -> tuple[Any, 
     return w.T, s.T, None
 
 
+def _zero_point_parts(values: np.ndarray, zeros: np.ndarray, parts: dict[str, np.ndarray], fmt: str,
+                      name: str) -> tuple[Any, Any, Any]:
+    """AWQ / GPTQ: unpacked values [I, O] and zeros [I / g, O] checked against `scales` [I / g, O]."""
+    scales = parts["scales"]
+    if zeros.shape != scales.shape or values.shape[1] != scales.shape[1]:
+        raise ValueError(f"{name}: {fmt} qweight {parts['qweight'].shape}, qzeros {parts['qzeros'].shape} and "
+                         f"scales {scales.shape} do not agree")
+    _tiles(values.shape[0], scales.shape[0], name)
+    return values, scales, zeros
+
+
 def _awq(parts: dict[str, np.ndarray], q: WeightQuant, name: str) -> tuple[Any, Any, Any]:
     values = unpack_int32(parts["qweight"], 4, axis=1, order=AWQ_ORDER)           # [I, O]
     zeros = unpack_int32(parts["qzeros"], 4, axis=1, order=AWQ_ORDER)             # [I / g, O]
-    scales = parts["scales"]
-    if zeros.shape != scales.shape or values.shape[1] != scales.shape[1]:
-        raise ValueError(f"{name}: AWQ qweight {parts['qweight'].shape}, qzeros {parts['qzeros'].shape} and "
-                         f"scales {scales.shape} do not agree")
-    _tiles(values.shape[0], scales.shape[0], name)
-    return values.astype(ml_dtypes.uint4), scales, zeros
+    return _zero_point_parts(values.astype(ml_dtypes.uint4), zeros, parts, "AWQ", name)
 
 
 def _gptq(parts: dict[str, np.ndarray], q: WeightQuant, name: str) -> tuple[Any, Any, Any]:
@@ -78,13 +84,7 @@ def _gptq(parts: dict[str, np.ndarray], q: WeightQuant, name: str) -> tuple[Any,
     zeros = unpack_int32(parts["qzeros"], bits, axis=1).astype(np.float32)        # [I / g, O]
     if q.checkpoint_format == "gptq":  # v1 stores zero - 1
         zeros = zeros + 1
-    scales = parts["scales"]
-    zeros = zeros[:, : scales.shape[1]]
-    if zeros.shape != scales.shape or values.shape[1] != scales.shape[1]:
-        raise ValueError(f"{name}: GPTQ qweight {parts['qweight'].shape}, qzeros {parts['qzeros'].shape} and "
-                         f"scales {scales.shape} do not agree")
-    _tiles(values.shape[0], scales.shape[0], name)
-    return values.astype(q.dtype), scales, zeros
+    return _zero_point_parts(values.astype(q.dtype), zeros[:, : parts["scales"].shape[1]], parts, "GPTQ", name)
 
 
 def _ct_packed(parts: dict[str, np.ndarray], q: WeightQuant, name: str) -> tuple[Any, Any, Any]:
@@ -118,6 +118,11 @@ FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...], Unpack]] = {
     "int-quantized": (("weight", "weight_scale"), ("input_scale", "input_zero_point"), _ct_plain),
     "float-quantized": (("weight", "weight_scale"), ("input_scale",), _ct_plain),
 }
+
+
+def quantized_marker_part(q: WeightQuant) -> str:
+    """A tensor part only a quantized Linear has (scales, or the packed shape): tells whether lm_head is quantized."""
+    return FORMATS[q.checkpoint_format][0][-1]
 
 
 def parts_of(q: WeightQuant) -> tuple[tuple[str, ...], tuple[str, ...]]:
