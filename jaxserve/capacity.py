@@ -37,6 +37,7 @@ import math
 
 from jaxserve.buckets import declared_buckets, serving_programs
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.quant import kv as kv_quant
 
 GIB = 1024 ** 3
 DEFAULT_MEMORY_UTILIZATION = {"cpu": 0.5, "gpu": 0.9, "tpu": 0.9}
@@ -102,10 +103,11 @@ def flops_per_sampled_row(cfg: ModelConfig) -> int:
     return 2 * cfg.hidden_size * cfg.padded_vocab_size
 
 
-def kv_bytes_per_token(cfg: ModelConfig, itemsize: int, model_axis: int = 1) -> int:
-    """K and V of one token over all layers, on one device (KV heads split when the axis divides them)."""
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int, model_axis: int = 1, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token over all layers, on one device (KV heads split when the axis divides them);
+    8-bit pages (`kv_cache_dtype`) count their scales."""
     heads = cfg.num_kv_heads // model_axis if cfg.num_kv_heads % model_axis == 0 else cfg.num_kv_heads
-    return 2 * cfg.num_layers * heads * cfg.head_dim * itemsize
+    return 2 * cfg.num_layers * heads * kv_quant.bytes_per_head_token(kv_cache_dtype, cfg.head_dim, itemsize)
 
 
 def step_temp_bytes(cfg: ModelConfig, tokens: int, rows: int, itemsize: int, model_axis: int = 1) -> int:
@@ -168,7 +170,7 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
     max_num_batched_tokens = engine.max_num_batched_tokens or max(tokens, engine.max_num_seqs or 0)
     max_num_seqs = engine.max_num_seqs or min(seqs, max_num_batched_tokens)
 
-    per_token = kv_bytes_per_token(model, itemsize, model_axis)
+    per_token = kv_bytes_per_token(model, itemsize, model_axis, engine.kv_cache_dtype)
     page_bytes = per_token * engine.page_size
     probe = dataclasses.replace(engine, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                 max_num_batched_tokens=max_num_batched_tokens)
@@ -237,6 +239,7 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
         f"weights: {model.quantization.describe() if model.quantization else 'not quantized'}",
         f"KV pool: {num_pages} pages x {engine.page_size} tokens = {pool_tokens} tokens, {_gib(pool_bytes)} per "
         f"device ({pool_why})",
+        f"KV cache dtype {engine.kv_cache_dtype}: {kv_quant.describe(engine.kv_cache_dtype, model.head_dim, itemsize)}",
         f"max_model_len {max_model_len}; max_num_seqs {max_num_seqs}; max_num_batched_tokens "
         f"{max_num_batched_tokens} ({'set' if engine.max_num_batched_tokens else why})",
         f"max concurrent tokens {pool_tokens} = {pool_tokens / max_model_len:.1f} full-length sequences",

@@ -12,6 +12,8 @@ import os
 import re
 import sys
 
+from jaxserve.quant.kv import KV_CACHE_DTYPES
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -106,6 +108,9 @@ def _size_args(g: argparse._ArgumentGroup) -> None:
                    "--kv-cache-memory, else --memory-utilization)")
     g.add_argument("--kv-cache-memory", type=_size, default=None, help="bytes for the KV pool per device, e.g. "
                    "2GiB (default: from --memory-utilization)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="what KV pages store: auto (the compute dtype), or 8-bit values with a float32 scale per "
+                   "token and KV head (int8; fp8 = fp8_e4m3; fp8_e5m2): ~2x the tokens of bf16 pages, ~4x of f32")
     g.add_argument("--memory-utilization", type=_fraction, default=None, help="share of device memory the "
                    "engine may use; the KV pool gets what weights and step temporaries leave (default: 0.9 on "
                    "GPU/TPU, 0.5 of the available RAM on CPU, where the pool is also capped at 2048 tokens "
@@ -140,7 +145,7 @@ def _size_fields(args: argparse.Namespace) -> dict:
     return dict(page_size=args.page_size, num_kv_pages=args.num_kv_pages, kv_cache_memory=args.kv_cache_memory,
                 memory_utilization=args.memory_utilization, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                token_buckets=args.token_buckets, seq_buckets=args.seq_buckets)
+                token_buckets=args.token_buckets, seq_buckets=args.seq_buckets, kv_cache_dtype=args.kv_cache_dtype)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

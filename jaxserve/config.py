@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jaxserve import buckets
+from jaxserve.quant import kv as kv_quant
 
 if TYPE_CHECKING:
     from jaxserve.quant.scheme import WeightQuant
@@ -254,6 +255,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"          # "fcfs" | "priority"
     dtype: str | None = None                 # None: float32 on CPU, the checkpoint's dtype elsewhere
     quantization: str | None = None          # online weight quantization: "int8" | "int4" | "fp8" (quant/scheme.py)
+    kv_cache_dtype: str = "auto"             # KV pages: "auto" (compute dtype) | "int8" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
     mesh_shape: tuple[int, int] = (1, 1)     # (data, model)
     attention_backend: str = "auto"          # "auto" | "reference" | "tpu" | "gpu"
     token_buckets: tuple[int, ...] | None = None   # None: the geometric ladder (buckets.py)
@@ -271,6 +273,7 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
             raise ValueError(f"EngineConfig.memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        kv_quant.check_name(self.kv_cache_dtype)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"EngineConfig.scheduling_policy must be 'fcfs' or 'priority', "
                              f"got {self.scheduling_policy!r}")

@@ -34,9 +34,10 @@ from jaxserve.model.attention import make_attention
 from jaxserve.model.kv_heads import duplicate_kv_heads
 from jaxserve.model.weights import Weights
 from jaxserve.packing import pack
+from jaxserve.quant import kv as kv_quant
 from jaxserve.buckets import Program, serving_programs
-from jaxserve.programs import (copy_step, copy_width, dummy_arrays, dummy_sampling, forward_step, lower_program,
-                               rows_width, sample_step)
+from jaxserve.programs import (copy_step, copy_width, dummy_arrays, dummy_sampling, forward_step, kv_dtype,
+                               lower_program, rows_width, sample_step)
 from jaxserve.sampler import SamplerOutput, SamplingTensors, bitmask_words
 from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs
 
@@ -84,13 +85,18 @@ class ModelRunner:
         self.weights = weights
         self.dtype = jnp.dtype(dtype)
         # Unset sizes (pool, batch limits, context, buckets) come from the machine and the model.
-        self.capacity = plan_capacity(engine_cfg, model_cfg, machine_info(mesh), self.dtype.itemsize,
+        machine = machine_info(mesh)
+        self.capacity = plan_capacity(engine_cfg, model_cfg, machine, self.dtype.itemsize,
                                       mesh.shape[sharding.MODEL_AXIS])
         for line in self.capacity.lines:
             logger.info("%s", line)
         self.engine_cfg = engine_cfg = self.capacity.engine
         num_pages = engine_cfg.num_kv_pages
-        self.kv = kv_cache.allocate(model_cfg, num_pages, engine_cfg.page_size, self.dtype, mesh)
+        kv_quant.check_platform(engine_cfg.kv_cache_dtype, machine.platform, machine.device_kind,
+                                getattr(mesh.devices.flat[0], "compute_capability", None))
+        if note := kv_quant.platform_note(engine_cfg.kv_cache_dtype, machine.platform):
+            logger.warning("%s", note)
+        self.kv = kv_cache.allocate(model_cfg, num_pages, engine_cfg.page_size, kv_dtype(engine_cfg, self.dtype), mesh)
         self.num_pages = num_pages
         self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size)
         self._replicated = sharding.replicated(mesh)

@@ -32,6 +32,7 @@ from jaxserve.capacity import MachineInfo, flops_per_sampled_row, flops_per_toke
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layouts import Layout, check_divides
 from jaxserve.model import weights as weights_mod
+from jaxserve.quant import kv as kv_quant
 from jaxserve.quant.scheme import qtype_bits
 from jaxserve.model.attention import make_attention
 from jaxserve.model.kv_heads import duplicated_config, kv_duplication
@@ -196,7 +197,7 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     utilization = engine.memory_utilization or capacity.DEFAULT_MEMORY_UTILIZATION[chip.platform]
     usable = int(utilization * chip.hbm_bytes)
     model_axis_kv = layout.tp if dict(rules).get("kv_heads") == sharding.MODEL_AXIS else 1
-    per_token = kv_bytes_per_token(model, dtype.itemsize, model_axis_kv)
+    per_token = kv_bytes_per_token(model, dtype.itemsize, model_axis_kv, engine.kv_cache_dtype)
     advice: list[str] = []
     sized_from_memory = engine.num_kv_pages is None and engine.kv_cache_memory is None
     try:
@@ -253,7 +254,8 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     if not fits:
         advice = _advice(model, target, layout, resolved, dtype, weight_bytes, temp + code, per_token, usable)
     settings = {k: getattr(resolved, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                                                  "page_size", "num_kv_pages", "memory_utilization")}
+                                                  "page_size", "num_kv_pages", "memory_utilization",
+                                                  "kv_cache_dtype")}
     settings["token_buckets"] = list(resolved.resolved_token_buckets())
     settings["seq_buckets"] = list(resolved.resolved_seq_buckets())
     return DevicePlan(
@@ -425,6 +427,8 @@ def _advice(model: ModelConfig, target: Target, layout: Layout, engine: EngineCo
         fit_pool = usable - weight_bytes - fixed_bytes
         out.append(f"--kv-cache-memory {fit_pool // 2**20}MiB (or leave it unset): the pool that fits holds "
                    f"{fit_pool // per_token} tokens")
+    if not kv_quant.is_quantized(engine.kv_cache_dtype):
+        out.append(f"--kv-cache-dtype int8 (or fp8): {kv_quant.describe('int8', model.head_dim, dtype.itemsize)}")
     else:
         out.append(f"one {engine.max_model_len}-token sequence does not fit: short by {human_bytes(short)} per device")
         room = usable - weight_bytes - fixed_bytes

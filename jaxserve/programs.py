@@ -30,6 +30,7 @@ from jaxserve.model import weights as weights_mod
 from jaxserve.model.paged import forward_paged
 from jaxserve.model.weights import Weights
 from jaxserve.packing import PackSpec, pack, unpack
+from jaxserve.quant import kv as kv_quant
 from jaxserve.sampler import SamplerOutput, SamplingTensors, bitmask_words, sample
 from jaxserve.step_inputs import StepArrays
 
@@ -85,11 +86,9 @@ def abstract_weights(model_cfg: ModelConfig, dtype: Any, mesh: Mesh,
     return weights_mod.abstract_arrays(model_cfg, dtype, mesh, rules)
 
 
-def abstract_kv(model_cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, mesh: Mesh,
-                rules: sharding.Rules = sharding.DEFAULT_RULES) -> kv_cache.KVPages:
-    shape = (num_pages, page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-    page = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=kv_cache.kv_sharding(model_cfg, mesh, rules))
-    return kv_cache.KVPages(k=[page] * model_cfg.num_layers, v=[page] * model_cfg.num_layers)
+def kv_dtype(engine_cfg: EngineConfig, dtype: Any) -> np.dtype:
+    """The KV pages' storage dtype: --kv-cache-dtype, or the compute dtype for "auto"."""
+    return kv_quant.storage_dtype(engine_cfg.kv_cache_dtype, dtype)
 
 
 def lower_program(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, dtype: Any,
@@ -105,7 +104,7 @@ def lower_program(program: Program, model_cfg: ModelConfig, engine_cfg: EngineCo
         return jax.ShapeDtypeStruct(buf.shape, jnp.int32, sharding=replicated), spec
 
     num_pages, page_size = engine_cfg.num_kv_pages, engine_cfg.page_size
-    kv = abstract_kv(model_cfg, num_pages, page_size, dtype, mesh, rules)
+    kv = kv_cache.abstract(model_cfg, num_pages, page_size, kv_dtype(engine_cfg, dtype), mesh, rules)
     if program.kind == "forward":
         packed, spec = host(dummy_arrays(program.tokens, program.rows, engine_cfg.max_pages_per_seq,
                                          num_pages * page_size))

@@ -10,6 +10,8 @@ import math
 
 import jax.numpy as jnp
 
+from kernels_pallas.kv_quant import SCALE_DTYPE, is_quantized
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionDims:
@@ -49,6 +51,8 @@ def check_attention_args(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    k_scales=None,
+    v_scales=None,
 ) -> AttentionDims:
     """Raises ValueError naming the first bad argument; returns the sizes."""
     if q.ndim != 3:
@@ -62,12 +66,23 @@ def check_attention_args(
         raise ValueError(f"v_pages shape {v_pages.shape} differs from k_pages shape {k_pages.shape}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be a floating dtype, got {q.dtype}")
-    if k_pages.dtype != q.dtype:
-        raise ValueError(f"k_pages dtype {k_pages.dtype} differs from q dtype {q.dtype}")
-    if v_pages.dtype != q.dtype:
-        raise ValueError(f"v_pages dtype {v_pages.dtype} differs from q dtype {q.dtype}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, head_dim_kv = k_pages.shape
+    if v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages dtype {v_pages.dtype} differs from k_pages dtype {k_pages.dtype}")
+    if is_quantized(k_pages.dtype):
+        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if scales is None:
+                raise ValueError(f"{k_pages.dtype} (quantized) pages need {name} [num_pages, num_kv_heads, "
+                                 f"page_size] float32")
+            if tuple(scales.shape) != (num_pages, num_kv_heads, page_size) or scales.dtype != SCALE_DTYPE:
+                raise ValueError(f"{name} must be float32 {(num_pages, num_kv_heads, page_size)}, got "
+                                 f"{scales.dtype} {tuple(scales.shape)}")
+    else:
+        if k_pages.dtype != q.dtype:
+            raise ValueError(f"k_pages dtype {k_pages.dtype} differs from q dtype {q.dtype}")
+        if k_scales is not None or v_scales is not None:
+            raise ValueError(f"k_scales / v_scales are only for quantized pages, not {k_pages.dtype}")
     if num_tokens < 1:
         raise ValueError("q must hold at least one token row")
     if head_dim_kv != head_dim:

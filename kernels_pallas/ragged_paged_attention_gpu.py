@@ -16,6 +16,9 @@ Schedule:
     batch is just both kinds of items in one grid.
   * The output is a zero buffer aliased in and written with masked stores, so rows that belong
     to no sequence stay 0.
+  * 8-bit pages (int8 / float8, kernels_pallas/kv_quant.py) are widened to q's dtype as they are
+    gathered; their per-token scales [P, KVH, ps] f32 are gathered the same way as a [1, BK] row
+    that multiplies the logits (K scales) and the probabilities (V scales).
 
 Triton needs power-of-two block shapes and dot operands of at least 16 in each dimension:
 head_dim and page_size must be powers of two and head_dim at most 256 (`supports()` says whether a
@@ -72,15 +75,16 @@ def _kernel(
     q_ref,  # [T + BQ, KVH, Gp, D]
     k_ref,  # [P, ps, KVH, D]
     v_ref,  # [P, ps, KVH, D]
-    _o_in_ref,  # aliased with o_ref
-    o_ref,  # [T + BQ, KVH, Gp, D]
-    *,
+    *refs,  # quantized pages: k_scales, v_scales [P, KVH, ps] f32; then _o_in_ref (aliased), o_ref
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     block_q: int,
     block_kv: int,
 ):
+    quantized = len(refs) == 4
+    ks_ref, vs_ref = refs[:2] if quantized else (None, None)
+    o_ref = refs[-1]  # [T + BQ, KVH, Gp, D]
     _, _, group_p, head_dim = q_ref.shape
     num_pages, page_size, _, _ = k_ref.shape
     rows = block_q * group_p
@@ -129,15 +133,30 @@ def _kernel(
             dim = lax.broadcasted_iota(jnp.int32, shape3, 2)
             page3 = jnp.broadcast_to(pages[:, None, None], shape3)
             kv_real = (page_idx[:, None, None] * page_size + slot) < seq_len
-            # Stale slots (even NaN) load as 0.
-            k = plgpu.load(k_ref.at[page3, slot, h, dim], mask=kv_real, other=0.0)
-            v = plgpu.load(v_ref.at[page3, slot, h, dim], mask=kv_real, other=0.0)
+            if quantized:
+                # 8-bit pages widen exactly to q's dtype; Triton has no int -> float8 cast for a
+                # masked load's fill value, so stale slots are zeroed after widening.
+                k = jnp.where(kv_real, plgpu.load(k_ref.at[page3, slot, h, dim]).astype(q.dtype), 0.0)
+                v = jnp.where(kv_real, plgpu.load(v_ref.at[page3, slot, h, dim]).astype(q.dtype), 0.0)
+            else:  # stale slots (even NaN) load as 0
+                k = plgpu.load(k_ref.at[page3, slot, h, dim], mask=kv_real, other=0.0)
+                v = plgpu.load(v_ref.at[page3, slot, h, dim], mask=kv_real, other=0.0)
             k = k.reshape(block_kv, head_dim)
             v = v.reshape(block_kv, head_dim)
 
             logits = lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             ) * sm_scale  # [rows, BK]
+            if quantized:
+                # Per-key scales [1, BK] (kv_quant.py): on the logits here, on p before the PV dot.
+                # Built from iotas, not sliced from the 3-D indices: Triton has no tensor slicing.
+                shape2 = (pages_per_block, keys_per_page)
+                slot2 = first_slot + lax.broadcasted_iota(jnp.int32, shape2, 1)
+                page2 = jnp.broadcast_to(pages[:, None], shape2)
+                real2 = (page_idx[:, None] * page_size + slot2) < seq_len
+                k_scale = plgpu.load(ks_ref.at[page2, h, slot2], mask=real2, other=0.0).reshape(1, block_kv)
+                v_scale = plgpu.load(vs_ref.at[page2, h, slot2], mask=real2, other=0.0).reshape(1, block_kv)
+                logits = logits * k_scale
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
             kv_pos = kb * block_kv + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
@@ -150,7 +169,7 @@ def _kernel(
             alpha = jnp.exp(m - m_new)
             l_new = alpha * l + p.sum(axis=1)
             pv = lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                (p * v_scale if quantized else p).astype(v.dtype), v, (((1,), (0,)), ((), ())),
                 preferred_element_type=jnp.float32,
             )  # [rows, D]
             return m_new, l_new, alpha[:, None] * acc + pv
@@ -284,6 +303,8 @@ def ragged_paged_attention_gpu(
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
+    k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 for quantized pages (kv_quant.py)
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention on GPU (see docs/CONTRACTS.md); `interpret` runs on any backend.
 
@@ -294,6 +315,7 @@ def ragged_paged_attention_gpu(
     dims = check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        k_scales=k_scales, v_scales=v_scales,
     )
     for name, value in (("block_q", block_q), ("block_kv", block_kv), ("num_warps", num_warps),
                         ("num_stages", num_stages)):
@@ -351,13 +373,15 @@ def ragged_paged_attention_gpu(
         block_q=bq, block_kv=bk,
     )
     warps = num_warps or (4 if bq * gp <= 64 else 8)
+    scales = () if k_scales is None else (k_scales, v_scales)
+    operands = (*work, seq_lens, tables, q_p, k_pages, v_pages, *scales, out_init)
     out = pl.pallas_call(
         kernel,
         grid=(num_items, KVH),
         out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
-        input_output_aliases={9: 0},
+        input_output_aliases={len(operands) - 1: 0},
         compiler_params=_TritonParams(num_warps=warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(*work, seq_lens, tables, q_p, k_pages, v_pages, out_init)
+    )(*operands)
     return out[:T, :, :G, :].reshape(T, H, D)

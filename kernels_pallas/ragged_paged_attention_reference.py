@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas._checks import CHUNK_TOKENS, MASK_VALUE, check_attention_args
+from kernels_pallas.kv_quant import gather_pages
 
 _CHUNK_BYTES = 32 * 1024 * 1024
 
@@ -67,11 +68,14 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     chunk_pages: int | None = None,
+    k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 when the pages are quantized (kv_quant.py)
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [T, H, D], q.dtype
     """Ragged paged attention in plain jnp, float32 softmax. See docs/CONTRACTS.md."""
     dims = check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        k_scales=k_scales, v_scales=v_scales,
     )
     if chunk_pages is not None and (not isinstance(chunk_pages, int) or chunk_pages < 1):
         raise ValueError(f"chunk_pages must be None or a positive int, got {chunk_pages!r}")
@@ -104,8 +108,8 @@ def ragged_paged_attention_reference(
             mask &= row_pos[:, None] - kv_pos[None, :] < sliding_window
         # Stale (even NaN) K only reaches masked scores, which `where` replaces; V is zeroed
         # outside the mask because 0 * NaN would leak into the weighted sum.
-        k = k_pages[pages].reshape(T, chunk, KVH, D).astype(jnp.float32)
-        v = v_pages[pages].reshape(T, chunk, KVH, D).astype(jnp.float32)
+        k = gather_pages(k_pages, k_scales, pages)  # [T, chunk, KVH, D] float32
+        v = gather_pages(v_pages, v_scales, pages)
         v = jnp.where(mask[:, :, None, None], v, 0.0)
         s = jnp.einsum("tkgd,tckd->tkgc", qf, k, precision=hi) * sm_scale  # [T, KVH, G, C]
         if soft_cap is not None:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas._checks import CHUNK_TOKENS, MASK_VALUE, check_attention_args
+from kernels_pallas.kv_quant import gather_pages
 
 _MAX_BLOCK_Q = 64
 _TILE_CHUNK_TOKENS = 256  # KV positions per step of a prefill tile's loop
@@ -75,7 +76,7 @@ def _scores(q, k, einsum_qk: str, sm_scale: float, soft_cap: float | None, mask)
     return jnp.where(mask, s, MASK_VALUE)
 
 
-def _decode_rows(qf, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, is_decode, *, sm_scale,
+def _decode_rows(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, is_decode, *, sm_scale,
                  sliding_window, soft_cap) -> jax.Array:
     """Attention of every decode sequence's single row, batched: [S, H, D] float32 (row s is
     sequence s's output; sequences that are not decodes get zeros)."""
@@ -95,8 +96,8 @@ def _decode_rows(qf, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, is_deco
         valid = kv_pos[None, :] < ctx[:, None]                                   # [S, C]; the row sits at ctx - 1
         if sliding_window is not None:
             valid &= (ctx[:, None] - 1) - kv_pos[None, :] < sliding_window
-        k = k_pages[pages].reshape(S, chunk, KVH, D).astype(jnp.float32)
-        v = v_pages[pages].reshape(S, chunk, KVH, D).astype(jnp.float32)
+        k = gather_pages(k_pages, k_scales, pages)                               # [S, C, KVH, D] f32
+        v = gather_pages(v_pages, v_scales, pages)
         # Stale (even NaN) V outside every row's mask must not reach 0 * NaN in the sum.
         v = jnp.where(valid[:, :, None, None], v, 0.0)
         mask = valid[:, None, None, :]                                           # [S, 1, 1, C]
@@ -110,7 +111,7 @@ def _decode_rows(qf, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, is_deco
     return (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(S, H, D)
 
 
-def _chunk_tiles(qf, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, q_len, is_chunk, *, bq, sm_scale,
+def _chunk_tiles(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, q_len, is_chunk, *, bq, sm_scale,
                  sliding_window, soft_cap) -> jax.Array:
     """Attention of every row of the multi-token sequences, tile by tile: [T, H, D] float32 with
     zeros in every other row."""
@@ -149,8 +150,8 @@ def _chunk_tiles(qf, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, q_len, 
             if sliding_window is not None:
                 valid &= row_pos[:, None] - kv_pos[None, :] < sliding_window
             mask = jnp.broadcast_to(valid[:, None, :], (bq, G, chunk)).reshape(1, bq * G, chunk)
-            k = k_pages[pages].reshape(chunk, KVH, D).astype(jnp.float32).transpose(1, 0, 2)
-            v = v_pages[pages].reshape(chunk, KVH, D).astype(jnp.float32).transpose(1, 0, 2)
+            k = gather_pages(k_pages, k_scales, pages).transpose(1, 0, 2)           # [KVH, C, D] f32
+            v = gather_pages(v_pages, v_scales, pages).transpose(1, 0, 2)
             v = jnp.where((kv_pos < ctx)[None, :, None], v, 0.0)                 # stale / NaN slots
             sc = _scores(qt, k, "kqd,kcd->kqc", sm_scale, soft_cap, mask)         # [KVH, bq*G, C]
             return _online_softmax_step(carry, sc, v, mask, "kqc,kcd->kqd")
@@ -181,11 +182,14 @@ def ragged_paged_attention_tiled(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     block_q: int | None = None,
+    k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 when the pages are quantized (kv_quant.py)
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [T, H, D], q.dtype
     """Same contract and numbers as the reference (docs/CONTRACTS.md); block_q = rows per prefill tile."""
     check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        k_scales=k_scales, v_scales=v_scales,
     )
     T = q.shape[0]
     S = page_tables.shape[0]
@@ -195,7 +199,7 @@ def ragged_paged_attention_tiled(
     is_decode = q_len == 1
     qf = q.astype(jnp.float32)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    out = _chunk_tiles(qf, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, q_len, q_len >= 2, bq=bq, **kw)
-    decoded = _decode_rows(qf, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, is_decode, **kw)
+    out = _chunk_tiles(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, q_len, q_len >= 2, bq=bq, **kw)
+    decoded = _decode_rows(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, is_decode, **kw)
     out = out.at[jnp.where(is_decode, cu_q_lens[:-1], T)].set(decoded, mode="drop")  # others -> dropped
     return out.astype(q.dtype)

@@ -22,8 +22,12 @@ Block sizes and memory (see the "VMEM / SMEM budgets" section below):
     ~128 keys, block_q halved first, then pages_per_block. Sizes that cannot fit (explicit ones,
     or shapes where even the smallest blocks are too big) raise ValueError naming the parameters;
     so do page tables too large for SMEM (max_seqs x max_pages_per_seq above ~245k entries).
-  * a single 16-bit kv head is passed as [P, ps, D] (`squeeze_kv_heads`): XLA's default layout of
-    [P, ps, 1, D] would otherwise cost a relayout copy of the whole cache per call.
+  * a single 16-bit (or 8-bit) kv head is passed as [P, ps, D] (`squeeze_kv_heads`): XLA's default
+    layout of [P, ps, 1, D] would otherwise cost a relayout copy of the whole cache per call.
+  * 8-bit pages (int8 / float8, kernels_pallas/kv_quant.py) come with per-token scales
+    [P, KVH, ps] f32, DMA'd page by page next to the values into [2, NPB, KVH, ps] buffers. The
+    block's values are widened to q's dtype (exact), and per head the K scales multiply the
+    logits and the V scales the probabilities, as a [1, BK] lane row (`scale_row`).
 
 Compiled by libtpu 0.0.42.1 (compile-only topologies, no TPU attached) for v5e, v6e and v5p at
 serving shapes -- head_dim 64/128/256, 1-16 kv heads, GQA groups 1-8, pages of 16-128 tokens,
@@ -46,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas._checks import MASK_VALUE, check_attention_args, check_block_arg, is_power_of_two
+from kernels_pallas.kv_quant import is_quantized
 from kernels_pallas.ragged_paged_attention_reference import row_to_seq
 
 _LANES = 128
@@ -60,18 +65,19 @@ def _kernel(
     first_seq_ref,  # [NQB] int32, first sequence with a row in q block b (num_seqs if none)
     # inputs
     q_ref,  # [KVH, BQ*G, D] VMEM block
-    k_hbm,  # [P, ps, KVH, D] HBM ([P, ps, D] for one 16-bit head: squeeze_kv_heads)
-    v_hbm,  # [P, ps, KVH, D] HBM ([P, ps, D] for one 16-bit head: squeeze_kv_heads)
+    k_hbm,  # [P, ps, KVH, D] HBM ([P, ps, D] for one 16- or 8-bit head: squeeze_kv_heads)
+    v_hbm,  # [P, ps, KVH, D] HBM ([P, ps, D] for one 16- or 8-bit head: squeeze_kv_heads)
+    *refs,
+    # quantized pages only: ks_hbm, vs_hbm [P, KVH, ps] f32 HBM scales (kv_quant.py)
     # output
-    o_ref,  # [KVH, BQ*G, D] VMEM block
+    #   o_ref [KVH, BQ*G, D] VMEM block
     # scratch
-    k_buf,  # [2, NPB, ps, KVH, D] ([2, NPB, ps, D] when squeezed)
-    v_buf,  # [2, NPB, ps, KVH, D] ([2, NPB, ps, D] when squeezed)
-    sems,  # DMA semaphores [2 (k, v), 2 (slot)]
-    m_ref,  # [KVH, BQ*G, 128] f32 running max, lane-replicated
-    l_ref,  # [KVH, BQ*G, 128] f32 running denominator, lane-replicated
-    acc_ref,  # [KVH, BQ*G, D] f32 running numerator
-    *,
+    #   k_buf, v_buf [2, NPB, ps, KVH, D] ([2, NPB, ps, D] when squeezed)
+    #   quantized pages only: ks_buf, vs_buf [2, NPB, KVH, ps] f32
+    #   sems: DMA semaphores [2 (k, v) or 4 (k, v, k scales, v scales), 2 (slot)]
+    #   m_ref, l_ref [KVH, BQ*G, 128] f32 running max / denominator, lane-replicated
+    #   acc_ref [KVH, BQ*G, D] f32 running numerator
+    quantized: bool,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -79,6 +85,10 @@ def _kernel(
     group: int,
     max_pages: int,
 ):
+    if quantized:
+        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref = refs
+    else:
+        o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     num_kv_heads, rows, head_dim = acc_ref.shape
     _, pages_per_block, page_size = k_buf.shape[:3]
     squeezed = k_buf.ndim == 4  # a single kv head, passed without its unit axis (squeeze_kv_heads)
@@ -115,33 +125,53 @@ def _kernel(
         return start, end
 
     def page_copies(s, kb, slot):
-        """(is a real page, K copy, V copy) for each page of kv block kb of sequence s."""
+        """(is a real page, its copies: K, V (+ K scales, V scales)) for each page of kv block kb
+        of sequence s."""
         num_seq_pages = lax.div(seq_lens_ref[s] + page_size - 1, page_size)
         copies = []
         for i in range(pages_per_block):
             j = kb * pages_per_block + i
             entry = tables_ref[s * max_pages + jnp.minimum(j, max_pages - 1)]
             page = jnp.clip(entry, 0, num_pages - 1)  # a bad id must not become a bad DMA
-            copies.append((
-                j < num_seq_pages,
-                pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, i], sems.at[0, slot]),
-                pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, i], sems.at[1, slot]),
-            ))
+            pairs = [(k_hbm, k_buf), (v_hbm, v_buf)] + ([(ks_hbm, ks_buf), (vs_hbm, vs_buf)] if quantized else [])
+            copies.append((j < num_seq_pages, [
+                pltpu.make_async_copy(src.at[page], dst.at[slot, i], sems.at[n, slot])
+                for n, (src, dst) in enumerate(pairs)]))
         return copies
 
     def start_fetch(s, kb, slot):
-        for real, k_copy, v_copy in page_copies(s, kb, slot):
+        for real, page in page_copies(s, kb, slot):
             @pl.when(real)
             def _():
-                k_copy.start()
-                v_copy.start()
+                for copy in page:
+                    copy.start()
 
     def wait_fetch(s, kb, slot):
-        for real, k_copy, v_copy in page_copies(s, kb, slot):
+        for real, page in page_copies(s, kb, slot):
             @pl.when(real)
             def _():
-                k_copy.wait()
-                v_copy.wait()
+                for copy in page:
+                    copy.wait()
+
+    def scale_row(buf, slot, h, seq_len, kb):
+        """One head's scales of the kv block as a lane row [1, BK] (slot t of page i at lane
+        i * ps + t), zero where no live token is (unfetched buffers may hold NaN). Built with a
+        one-hot matmul rather than a reshape: [NPB, ps] -> [1, NPB * ps] moves values from
+        sublanes to lanes, which Mosaic lowers only for lane-aligned pieces."""
+        sc = buf[slot, :, h, :]  # [NPB, ps]
+        pos = kb * block_kv + lax.broadcasted_iota(jnp.int32, sc.shape, 0) * page_size + \
+            lax.broadcasted_iota(jnp.int32, sc.shape, 1)
+        sc = jnp.where(pos < seq_len, sc, 0.0)
+        if pages_per_block == 1:
+            return sc
+        lane = lax.broadcasted_iota(jnp.int32, (page_size, block_kv), 1)
+        spread = (lane - lax.div(lane, page_size) * page_size
+                  == lax.broadcasted_iota(jnp.int32, (page_size, block_kv), 0)).astype(jnp.float32)
+        tiled = lax.dot_general(sc, spread, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                                precision=lax.Precision.HIGHEST)  # [NPB, BK]: page i's row repeated
+        page_of_lane = lax.div(lax.broadcasted_iota(jnp.int32, tiled.shape, 1), page_size)
+        mine = page_of_lane == lax.broadcasted_iota(jnp.int32, tiled.shape, 0)
+        return jnp.sum(jnp.where(mine, tiled, 0.0), axis=0, keepdims=True)
 
     def compute(s, kb, slot):
         seq_len = seq_lens_ref[s]
@@ -160,10 +190,21 @@ def _kernel(
         kv_real = (kb * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)) < seq_len
         # Mosaic's matmul takes fp32 contract precision for f32 operands only; bf16 operands
         # accumulate in f32 through preferred_element_type at the MXU's native precision.
-        precision = lax.Precision.HIGHEST if k_buf.dtype == jnp.float32 else lax.Precision.DEFAULT
+        # 8-bit pages are widened to q's dtype (exact) and computed like it.
+        compute_dtype = q_ref.dtype
+        precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else lax.Precision.DEFAULT
+        if quantized:
+            # 8-bit pages widen whole (a head's rows are every KVH-th row of the packed 8-bit tiles;
+            # slicing them before widening fails Mosaic's layout pass on v6e for int8 -> bf16).
+            k_wide = k_buf[slot].astype(jnp.float32)  # [NPB, ps, KVH, D]
+            v_wide = v_buf[slot].astype(jnp.float32)
         for h in range(num_kv_heads):
             # Unfetched / stale slots may hold anything (NaN included): zero them.
-            if squeezed:
+            if quantized:
+                head = (slice(None),) * 2 + (() if squeezed else (h,))
+                k = k_wide[head].reshape(block_kv, head_dim).astype(compute_dtype)
+                v = v_wide[head].reshape(block_kv, head_dim).astype(compute_dtype)
+            elif squeezed:
                 k = k_buf[slot].reshape(block_kv, head_dim)
                 v = v_buf[slot].reshape(block_kv, head_dim)
             else:
@@ -175,6 +216,8 @@ def _kernel(
                 q_ref[h], k, (((1,), (1,)), ((), ())),
                 preferred_element_type=jnp.float32, precision=precision,
             ) * sm_scale  # [rows, BK]
+            if quantized:  # per-key scales on the logits, and on p below (kv_quant.py)
+                logits = logits * scale_row(ks_buf, slot, h, seq_len, kb)
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
             logits = jnp.where(mask, logits, MASK_VALUE)
@@ -183,6 +226,8 @@ def _kernel(
             p = jnp.where(mask, jnp.exp(logits - m_new), 0.0)
             alpha = jnp.exp(m_prev - m_new)
             l_new = alpha * l_ref[h, :, 0:1] + p.sum(axis=1, keepdims=True)
+            if quantized:
+                p = p * scale_row(vs_buf, slot, h, seq_len, kb)
             pv = lax.dot_general(
                 p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                 preferred_element_type=jnp.float32, precision=precision,
@@ -283,15 +328,15 @@ def vmem_budget_bytes(target: str | None) -> int:
 
 
 def squeeze_kv_heads(num_kv_heads: int, dtype) -> bool:
-    """Whether the kernel takes a single-head 16-bit cache as [P, ps, D] (dropping the unit axis).
+    """Whether the kernel takes a single-head 16- or 8-bit cache as [P, ps, D] (dropping the unit axis).
 
-    XLA's default TPU layout of a 16-bit [P, ps, 1, D] array moves the unit axis out of the tiled
-    minor pair ({3,1,2,0}); a row-major [P, ps, 1, D] kernel operand would then cost a relayout
-    copy of the whole cache on every call, while dropping the axis is a bitcast. f32 keeps the
-    axis: its default layout is row-major with (1, 128) tiles, which the 4-D operand takes as is
+    XLA's default TPU layout of a 16-bit (or 8-bit) [P, ps, 1, D] array moves the unit axis out of
+    the tiled minor pair ({3,1,2,0}); a row-major [P, ps, 1, D] kernel operand would then cost a
+    relayout copy of the whole cache on every call, while dropping the axis is a bitcast. f32 keeps
+    the axis: its default layout is row-major with (1, 128) tiles, which the 4-D operand takes as is
     (a 3-D operand would be retiled). Checked in tests/kernels/test_rpa_tpu_compile.py.
     """
-    return num_kv_heads == 1 and jnp.dtype(dtype).itemsize == 2
+    return num_kv_heads == 1 and jnp.dtype(dtype).itemsize < 4
 
 
 def _round_up(x: int, m: int) -> int:
@@ -313,7 +358,7 @@ def _tile_bytes(shape: tuple[int, ...], itemsize: int, *, sublanes: int | None =
 
 def vmem_bytes(
     *, head_dim: int, num_kv_heads: int, group: int, page_size: int, block_q: int,
-    pages_per_block: int, dtype,
+    pages_per_block: int, dtype, page_dtype=None,
 ) -> int:
     """VMEM the kernel needs (an upper bound), from its parameters alone.
 
@@ -331,22 +376,33 @@ def vmem_bytes(
     libtpu 0.0.42.1 reports for the compiled kernel on v5e, v6e and v5p
     (tests/kernels/test_rpa_tpu_compile.py checks that it still does).
     """
+    page_dtype = jnp.dtype(page_dtype or dtype)
+    quantized = is_quantized(page_dtype)
+    # 8-bit pages: their buffers tile 32 rows of 1 byte where 16-bit ones tile 16 rows of 2 (the same
+    # bytes for the few-head pages here), and they are widened to `dtype` before use: size as `dtype`.
     itemsize = jnp.dtype(dtype).itemsize
     rows = block_q * group
     block_kv = pages_per_block * page_size
     d, bk, r = _round_up(head_dim, _LANES), _round_up(block_kv, _LANES), _round_up(rows, 8)
     qo = 4 * _tile_bytes((num_kv_heads, rows, head_dim), itemsize, sublanes=8 * (4 // itemsize))
     kv_page = (
-        (page_size, head_dim) if squeeze_kv_heads(num_kv_heads, dtype)
+        (page_size, head_dim) if squeeze_kv_heads(num_kv_heads, page_dtype)
         else (page_size, num_kv_heads, head_dim)
     )
     kv = 2 * _tile_bytes((2, pages_per_block, *kv_page), itemsize)
+    if quantized:
+        # scale buffers [2, NPB, KVH, ps] f32, and per head the widened K/V [BK, D], two scale
+        # rows with their one-hot spread [ps, BK] and tiled [NPB, BK] products
+        kv += 2 * _tile_bytes((2, pages_per_block, num_kv_heads, page_size), 4)
+        kv += num_kv_heads * 4 * (2 * _round_up(block_kv, 8) * _round_up(head_dim, _LANES)
+                                  + 2 * (_round_up(page_size, 8) + _round_up(pages_per_block, 8) + 8)
+                                  * _round_up(block_kv, _LANES))
     ml = 2 * _tile_bytes((num_kv_heads, rows, _LANES), 4)
     acc = _tile_bytes((num_kv_heads, rows, head_dim), 4)
     shared = 4 * (4 * r * bk + _round_up(block_kv, 8) * d)
     per_head = 4 * (2 * _round_up(block_kv, 8) * d + 2 * r * bk + 4 * r * d)
     values = shared + num_kv_heads * per_head
-    if itemsize < 4 and not squeeze_kv_heads(num_kv_heads, dtype):
+    if (itemsize < 4 or quantized) and not squeeze_kv_heads(num_kv_heads, page_dtype):
         # A 16-bit head is every KVH-th row of sublane-packed [ps, KVH, D] tiles: Mosaic unpacks
         # it through f32 copies (on v5e/v5p, which have no bf16 VPU, up to ~10 [BK, 128] f32
         # arrays per head, for at most ~4 heads at a time).
@@ -373,7 +429,7 @@ def _shrink_block_q(block_q: int, group: int) -> int | None:
 def choose_blocks(
     *, head_dim: int, num_kv_heads: int, group: int, page_size: int, max_pages_per_seq: int,
     dtype, budget: int, block_q: int | None = None, pages_per_block: int | None = None,
-    target: str | None = None,
+    target: str | None = None, page_dtype=None,
 ) -> tuple[int, int]:
     """(block_q, pages_per_block) whose `vmem_bytes` fits `budget`.
 
@@ -389,7 +445,7 @@ def choose_blocks(
     def need(bq, npb):
         return vmem_bytes(
             head_dim=head_dim, num_kv_heads=num_kv_heads, group=group, page_size=page_size,
-            block_q=bq, pages_per_block=npb, dtype=dtype,
+            block_q=bq, pages_per_block=npb, dtype=dtype, page_dtype=page_dtype,
         )
 
     while need(bq, npb) > budget:
@@ -431,12 +487,16 @@ def ragged_paged_attention_tpu(
     block_q: int | None = None,
     pages_per_block: int | None = None,
     interpret: bool = False,
+    k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 for quantized pages (kv_quant.py)
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention on TPU (see docs/CONTRACTS.md); `interpret` runs the TPU interpreter."""
     dims = check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        k_scales=k_scales, v_scales=v_scales,
     )
+    quantized = k_scales is not None
     check_block_arg("block_q", block_q)
     check_block_arg("pages_per_block", pages_per_block)
     T, H, D = q.shape
@@ -446,7 +506,7 @@ def ragged_paged_attention_tpu(
     bq, npb = choose_blocks(
         head_dim=D, num_kv_heads=KVH, group=G, page_size=dims.page_size, max_pages_per_seq=MP,
         dtype=q.dtype, budget=budget, block_q=block_q, pages_per_block=pages_per_block,
-        target=target,
+        target=target, page_dtype=k_pages.dtype,
     )
     num_q_blocks = -(-T // bq)
     smem = smem_bytes(max_seqs=S, max_pages_per_seq=MP, num_q_blocks=num_q_blocks)
@@ -470,23 +530,27 @@ def ragged_paged_attention_tpu(
     block = pl.BlockSpec((KVH, rows, D), lambda b, *_: (0, b, 0))
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-        block_q=bq, group=G, max_pages=MP,
+        block_q=bq, group=G, max_pages=MP, quantized=quantized,
     )
     if squeeze_kv_heads(KVH, k_pages.dtype):
         k_pages = k_pages.reshape(k_pages.shape[0], dims.page_size, D)
         v_pages = v_pages.reshape(v_pages.shape[0], dims.page_size, D)
     buf = pltpu.VMEM((2, npb, *k_pages.shape[1:]), k_pages.dtype)
+    scales = (k_scales, v_scales) if quantized else ()
+    scale_bufs = [pltpu.VMEM((2, npb, KVH, dims.page_size), jnp.float32)] * len(scales)
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(num_q_blocks,),
-            in_specs=[block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[block, hbm, hbm, *[hbm] * len(scales)],
             out_specs=block,
             scratch_shapes=[
                 buf,
                 buf,
-                pltpu.SemaphoreType.DMA((2, 2)),
+                *scale_bufs,
+                pltpu.SemaphoreType.DMA((2 + len(scales), 2)),
                 pltpu.VMEM((KVH, rows, _LANES), jnp.float32),
                 pltpu.VMEM((KVH, rows, _LANES), jnp.float32),
                 pltpu.VMEM((KVH, rows, D), jnp.float32),
@@ -498,6 +562,6 @@ def ragged_paged_attention_tpu(
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention_tpu",
-    )(seq_lens, cu_q_lens, page_tables.reshape(S * MP), num_seqs, first_seq, q_t, k_pages, v_pages)
+    )(seq_lens, cu_q_lens, page_tables.reshape(S * MP), num_seqs, first_seq, q_t, k_pages, v_pages, *scales)
     out = out.reshape(KVH, t_pad, G, D).transpose(1, 0, 2, 3).reshape(t_pad, H, D)
     return out[:T]

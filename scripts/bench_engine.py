@@ -40,7 +40,7 @@ def preset_config(name: str) -> dict:
 
 
 def run_batch(model_cfg, weights, batch: int, context: int, steps: int, repeats: int,
-              breakdown: bool = False) -> dict:
+              breakdown: bool = False, kv_cache_dtype: str = "auto") -> dict:
     from jaxserve.config import EngineConfig
     from jaxserve.engine import EngineCore
     from jaxserve.request import Request
@@ -54,7 +54,7 @@ def run_batch(model_cfg, weights, batch: int, context: int, steps: int, repeats:
     ecfg = EngineConfig(page_size=page_size, num_kv_pages=batch * (-(-max_len // page_size)) + 8,
                         max_num_seqs=batch, max_num_batched_tokens=budget, max_model_len=max_len,
                         token_buckets=tuple(sorted({batch, budget})), seq_buckets=(batch,),
-                        enable_prefix_caching=False)
+                        enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     core = EngineCore(model_cfg, weights, ecfg, make_mesh(1, 1))
     warm = core.runner.warmup()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

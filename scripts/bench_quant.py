@@ -12,6 +12,10 @@ planner's estimate for accelerators.
    projections' share (layers) is visible apart from lm_head and attention.
 3. Bytes per weight (all leaves, scales included) and the planner's decode estimate (roofline, no
    compile) for a Qwen3-8B-shaped model on TPU v6e and an H200, bf16 against each scheme.
+4. KV cache dtypes (--kv-cache-dtype; kv-quality, kv-speed, kv-plan): the same quality measures
+   against float32 pages (KL/top-1 teacher-forced through the serving forward, greedy through the
+   engine) with the relative error of per-token against per-page scales; decode step time at each
+   batch with float32 weights; bytes per KV token and the planner's pool and decode estimate.
 """
 
 from __future__ import annotations
@@ -69,7 +73,82 @@ def quality(schemes: list[str], text_len: int = 128, gen_len: int = 256) -> list
     return rows
 
 
-def speed(schemes: list[str], preset: str, batches: list[int], context: int, steps: int, repeats: int) -> list[dict]:
+def _scale_granularity_error(pool, kv_dtypes: list[str]) -> dict[str, dict]:
+    """Relative RMS error of every layer's K and V (float32 pool) quantized with one scale per token
+    and head (what the pool stores) against one scale per page and head (16 tokens)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.quant import kv as kv_quant
+    from kernels_pallas.kv_quant import quantize
+
+    out = {}
+    for name in kv_dtypes:
+        dtype = kv_quant.storage_dtype(name, jnp.float32)
+        err = {"per_token": [], "per_page": []}
+        for x in [*pool.k, *pool.v]:                                   # [P, ps, KVH, D]
+            x = jnp.asarray(x)
+            values, scales = quantize(x, dtype)                        # per token and head
+            err["per_token"].append(values.astype(jnp.float32) * scales[..., None] - x)
+            page = jnp.swapaxes(x, 1, 2).reshape(x.shape[0], x.shape[2], -1)  # [P, KVH, ps * D]
+            values, scales = quantize(page, dtype)                     # per page and head
+            back = (values.astype(jnp.float32) * scales[..., None]).reshape(x.shape[0], x.shape[2], x.shape[1], -1)
+            err["per_page"].append(jnp.swapaxes(back, 1, 2) - x)
+        norm = float(np.sqrt(sum(float(jnp.sum(x ** 2)) for x in [*pool.k, *pool.v])))
+        out[name] = {f"rel_err_{k}": float(np.sqrt(sum(float(jnp.sum(e ** 2)) for e in v))) / norm
+                     for k, v in err.items()}
+    return out
+
+
+def kv_quality(kv_dtypes: list[str], text_len: int = 128, gen_len: int = 256) -> list[dict]:
+    """KV-cache quantization against float32 pages, per parity family: KL and top-1 agreement of the
+    teacher-forced next-token distributions over a fixed text (serving forward, one 128-token chunk
+    attending to its own quantized K/V), and greedy agreement over 256 tokens through the engine."""
+    import jax
+    import numpy as np
+
+    from checkpoints import load_model
+    from engine_utils import greedy, make_core, run_all
+    from paged_forward import paged_logits
+    from hf_models import VARIANTS, make_hf_model
+    from jaxserve.model.dense import greedy_generate
+    from jaxserve.request import Request
+    from jaxserve.sharding import make_mesh
+
+    rows = []
+    for variant in sorted(VARIANTS):
+        with tempfile.TemporaryDirectory() as d:
+            path, _ = make_hf_model(variant, Path(d), max_position_embeddings=512)
+            cfg, weights = load_model(path, make_mesh(1, 1))
+            ids = np.random.default_rng(0).integers(3, cfg.vocab_size, size=text_len).tolist()
+            ref, pool = paged_logits(weights, cfg, ids, "auto")
+            granularity = _scale_granularity_error(pool, kv_dtypes)
+            # the float noise floor: the engine on float32 pages against the dense parity path, both float32
+            dense = greedy_generate(weights, cfg, [ids[:16]], gen_len)[0]
+            gens = {}
+            for name in ["auto", *kv_dtypes]:
+                core = make_core(cfg, weights, kv_cache_dtype=name, max_model_len=16 + gen_len,
+                                 num_kv_pages=2 * (16 + gen_len) // 4)
+                gens[name] = run_all(core, [Request("r", ids[:16], greedy(gen_len))])["r"][0]
+            for name in kv_dtypes:
+                out, _ = paged_logits(weights, cfg, ids, name)
+                p, q = jax.nn.log_softmax(ref), jax.nn.log_softmax(out)
+                gen, ref_gen = gens[name], gens["auto"]
+                rows.append(dict(
+                    family=variant, kv_cache_dtype=name, kl=float((np.exp(p) * (p - q)).sum(-1).mean()),
+                    top1=float((ref.argmax(-1) == out.argmax(-1)).mean()),
+                    greedy_agreement=float(np.mean(np.asarray(gen) == np.asarray(ref_gen))),
+                    first_divergence=next((i for i, (a, b) in enumerate(zip(gen, ref_gen)) if a != b), gen_len),
+                    f32_engine_vs_dense_agreement=float(np.mean(np.asarray(ref_gen) == np.asarray(dense))),
+                    **granularity[name]))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def speed(preset: str, batches: list[int], context: int, steps: int, repeats: int, *, schemes: list[str] = (),
+          kv_dtypes: list[str] = ()) -> list[dict]:
+    """One decode step at each batch: float32 weights against each weight scheme (`schemes`, float32 pages),
+    or float32 pages against each KV cache dtype (`kv_dtypes`, float32 weights)."""
     import jax.numpy as jnp
 
     from bench_engine import preset_config, run_batch
@@ -78,15 +157,46 @@ def speed(schemes: list[str], preset: str, batches: list[int], context: int, ste
     from jaxserve.quant.scheme import online_scheme
 
     base = ModelConfig.from_hf(preset_config(preset))
+    variants = [("scheme", name, name, "auto") for name in (["float32", *schemes] if schemes else [])]
+    variants += [("kv_cache_dtype", name, "float32", name) for name in (["auto", *kv_dtypes] if kv_dtypes else [])]
     rows = []
     for batch in batches:
-        for name in ["float32", *schemes]:
-            cfg = base if name == "float32" else dataclasses.replace(base, quantization=online_scheme(name))
+        for key, label, scheme, kv_dtype in variants:
+            cfg = base if scheme == "float32" else dataclasses.replace(base, quantization=online_scheme(scheme))
             weights = init_random(cfg, seed=0, dtype=jnp.float32)
-            row = run_batch(cfg, weights, batch, context, steps, repeats, breakdown=True)
-            rows.append(dict(scheme=name, batch=batch, step_ms=row["step_ms"], recompiles=row["recompiles"],
-                             **{f"{k}_ms": v for k, v in row["breakdown_ms"].items()}))
+            row = run_batch(cfg, weights, batch, context, steps, repeats, breakdown=True, kv_cache_dtype=kv_dtype)
+            rows.append({key: label, "batch": batch, "step_ms": row["step_ms"], "recompiles": row["recompiles"],
+                         **{f"{k}_ms": v for k, v in row["breakdown_ms"].items()}})
             print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def kv_plan(kv_dtypes: list[str]) -> list[dict]:
+    """Bytes per KV token and the planner's pool and decode estimate (roofline, no compile) for a
+    Qwen3-8B-shaped model in bf16 on TPU v6e and an H200, per KV cache dtype."""
+    import jax.numpy as jnp
+
+    from jaxserve.capacity import kv_bytes_per_token
+    from jaxserve.config import EngineConfig, ModelConfig
+    from jaxserve.layouts import make_layout
+    from jaxserve.plan import decode_step, plan_deployment
+    from jaxserve.targets import parse_target
+
+    cfg = ModelConfig.from_hf(QWEN3_8B)
+    rows = []
+    for name in ["auto", *kv_dtypes]:
+        row = dict(kv_cache_dtype=name, kv_bytes_per_token=kv_bytes_per_token(cfg, 2, 1, name))
+        for target in ("tpu-v6e:1x1", "gpu-h200:1x1x1"):
+            t = parse_target(target)
+            plan = plan_deployment(cfg, t, make_layout("tp", t.num_devices),
+                                   EngineConfig(max_model_len=8192, kv_cache_dtype=name), jnp.bfloat16,
+                                   context=8192, compile_programs=False)
+            row[f"{target} pool tokens"] = plan.max_kv_tokens
+            for b in (1, 64):
+                est = decode_step(plan, b)  # the largest batch <= b whose contexts the pool holds
+                row[f"{target} decode b<={b} ctx=8192"] = f"{est.tokens_per_s:.0f} tok/s at b={est.batch}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -126,10 +236,20 @@ def bytes_and_plan(schemes: list[str]) -> list[dict]:
     return rows
 
 
+def _speed_table(rows: list[dict], variant: str) -> None:
+    """Markdown rows of one decode step and its breakdown (layers include the KV write)."""
+    print(f"| batch | {variant} | step ms | forward ms | layers ms | lm_head ms | attention ms | sampler ms | recompiles |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['batch']} | {r[variant]} | {r['step_ms']:.1f} | {r['forward_ms']:.1f} | {r['layers_and_rest_ms']:.1f} "
+              f"| {r['lm_head_ms']:.1f} | {r['attention_ms']:.1f} | {r['sampler_ms']:.1f} | {r['recompiles']} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schemes", default="int8,int4,fp8")
-    ap.add_argument("--parts", default="quality,speed,plan")
+    ap.add_argument("--parts", default="quality,speed,plan,kv-quality,kv-speed,kv-plan")
+    ap.add_argument("--kv-cache-dtypes", default="int8,fp8_e4m3,fp8_e5m2")
     ap.add_argument("--speed-preset", default="bench-105m")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--context", type=int, default=256)
@@ -138,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
     schemes = args.schemes.split(",")
+    kv_dtypes = args.kv_cache_dtypes.split(",")
     parts = args.parts.split(",")
     result: dict = {"cpu": platform.processor() or platform.machine()}
     try:
@@ -154,15 +275,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{min(x['top1'] for x in r):.3f} | {statistics.median(x['greedy_agreement'] for x in r):.3f}, "
                   f"{min(x['greedy_agreement'] for x in r):.3f} |")
     if "speed" in parts:
-        result["speed"] = speed(schemes, args.speed_preset, [int(b) for b in args.batches.split(",")],
-                                args.context, args.steps, args.repeats)
+        result["speed"] = speed(args.speed_preset, [int(b) for b in args.batches.split(",")], args.context,
+                                args.steps, args.repeats, schemes=schemes)
         print(f"\n{args.speed_preset}, context {args.context}, {result['cpu']}")
-        print("| batch | scheme | step ms | forward ms | layers ms | lm_head ms | attention ms | sampler ms | recompiles |")
-        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-        for r in result["speed"]:
-            print(f"| {r['batch']} | {r['scheme']} | {r['step_ms']:.1f} | {r['forward_ms']:.1f} | "
-                  f"{r['layers_and_rest_ms']:.1f} | {r['lm_head_ms']:.1f} | {r['attention_ms']:.1f} | "
-                  f"{r['sampler_ms']:.1f} | {r['recompiles']} |")
+        _speed_table(result["speed"], "scheme")
     if "plan" in parts:
         result["plan"] = bytes_and_plan(schemes)
         print("\nQwen3-8B shape, bf16 compute, context 2048, roofline (no compile)")
@@ -172,6 +288,30 @@ def main(argv: list[str] | None = None) -> int:
         for r in result["plan"]:
             print(f"| {r['scheme']} | {r['bytes_per_weight']:.3f} | {r['projection_bytes_per_weight']:.3f} | "
                   f"{r['weight_gib']:.2f} | " + " | ".join(f"{r[k]:.0f}" for k in keys) + " |")
+    if "kv-quality" in parts:
+        result["kv_quality"] = kv_quality(kv_dtypes)
+        print("\n| KV cache dtype | mean KL (median over families) | worst KL | top-1 (min) | free-running greedy "
+              "agreement over 256 (median, min) | rel. error per token / per page (median) |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name in kv_dtypes:
+            r = [x for x in result["kv_quality"] if x["kv_cache_dtype"] == name]
+            med = lambda key: statistics.median(x[key] for x in r)  # noqa: E731
+            print(f"| {name} | {med('kl'):.2e} | {max(x['kl'] for x in r):.2e} | {min(x['top1'] for x in r):.3f} | "
+                  f"{med('greedy_agreement'):.3f}, {min(x['greedy_agreement'] for x in r):.3f} | "
+                  f"{med('rel_err_per_token'):.4f} / {med('rel_err_per_page'):.4f} |")
+    if "kv-speed" in parts:
+        result["kv_speed"] = speed(args.speed_preset, [int(b) for b in args.batches.split(",")], args.context,
+                                   args.steps, args.repeats, kv_dtypes=kv_dtypes)
+        print(f"\n{args.speed_preset}, context {args.context}, float32 weights, {result['cpu']}")
+        _speed_table(result["kv_speed"], "kv_cache_dtype")
+    if "kv-plan" in parts:
+        result["kv_plan"] = kv_plan(kv_dtypes)
+        print("\nQwen3-8B shape, bf16, max_model_len 8192, roofline (no compile)")
+        keys = [k for k in result["kv_plan"][0] if k not in ("kv_cache_dtype", "kv_bytes_per_token")]
+        print("| KV cache dtype | KV bytes/token | " + " | ".join(keys) + " |")
+        print("|---|---:|" + "---:|" * len(keys))
+        for r in result["kv_plan"]:
+            print(f"| {r['kv_cache_dtype']} | {r['kv_bytes_per_token']} | " + " | ".join(str(r[k]) for k in keys) + " |")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     return 0

@@ -31,7 +31,7 @@ status=0
 echo
 echo "== 1. gpu-marked kernel tests (compiled, not interpreted) =="
 if python -c 'import pytest' 2>/dev/null; then
-  timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels -rs --durations=10
+  timeout 240 python -m pytest -q -n 0 -p no:cacheprovider -m gpu tests/kernels -rs --durations=10
   rc=$?; echo "pytest exit code: $rc"; [ $rc -eq 0 ] || status=1
 else
   echo "pytest is not installed here: stage skipped (the bench below still checks correctness)"

@@ -46,3 +46,12 @@ def run_all(core: EngineCore, requests: list[Request], on_step=None) -> dict[str
         if on_step is not None:
             on_step()
     return out
+
+
+def run_events(core: EngineCore, request: Request) -> list[Any]:
+    """Runs one request to completion; its token events in order (logprobs included)."""
+    core.add_request(request)
+    events = []
+    while core.has_work():
+        events.extend(e for e in core.step() if e.token_id is not None)
+    return events

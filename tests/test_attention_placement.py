@@ -45,6 +45,26 @@ def test_gpu_kernel_shard_mapped_over_kv_heads_matches_reference():
     np.testing.assert_allclose(np.asarray(out)[:7], np.asarray(ref)[:7], rtol=1e-5, atol=1e-5)
 
 
+def test_quantized_pages_and_their_scales_are_shard_mapped_over_kv_heads():
+    """int8 pages with per-token scales [P, KVH, ps]: the scales split over the heads like the pages."""
+    from kernels_pallas.kv_quant import dequantize_pages, quantize
+
+    mesh = make_mesh(1, 4)
+    fn = make_attention("gpu", CFG, mesh, interpret=True)
+    q, k, v, seq_lens, cu, tables, n = _inputs(np.random.default_rng(1))
+    (kq, ks), (vq, vs) = (quantize(jnp.asarray(x), jnp.int8) for x in (k, v))
+    ks, vs = jnp.swapaxes(ks, 1, 2), jnp.swapaxes(vs, 1, 2)                       # [P, KVH, ps]
+    pages = NamedSharding(mesh, P(None, None, "model", None))
+    scales = NamedSharding(mesh, P(None, "model", None))
+    out = jax.jit(lambda q, k, v, ks, vs: fn(q, k, v, seq_lens, cu, tables, n, sm_scale=0.25, k_scales=ks,
+                                             v_scales=vs))(
+        jax.device_put(q, NamedSharding(mesh, P(None, "model", None))), jax.device_put(kq, pages),
+        jax.device_put(vq, pages), jax.device_put(ks, scales), jax.device_put(vs, scales))
+    ref = ragged_paged_attention_reference(jnp.asarray(q), dequantize_pages(kq, ks), dequantize_pages(vq, vs),
+                                           seq_lens, cu, tables, n, sm_scale=0.25)
+    np.testing.assert_allclose(np.asarray(out)[:7], np.asarray(ref)[:7], rtol=1e-5, atol=1e-5)
+
+
 def test_reference_stays_unwrapped_and_replicated_kv_heads_take_the_jnp_path(caplog):
     assert make_attention("reference", CFG, make_mesh(1, 4)) is ragged_paged_attention_reference
     # 8-way model axis > 4 KV heads: KV replicated; a kernel cannot be partitioned by XLA nor

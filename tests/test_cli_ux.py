@@ -145,3 +145,12 @@ def test_generate_config_holds_one_request_and_stays_within_the_limits():
     assert commands.generate_engine_config(cli_config("generate"), 1000, 100, model_max_len=1100).max_model_len == 1100
     with pytest.raises(ValueError, match="exceeds the context limit 1000"):
         commands.generate_engine_config(cli_config("generate", "--max-model-len", "1000"), 990, 11, 4096)
+
+
+def test_kv_cache_dtype_flag_reaches_the_engine_config_and_rejects_unknown_names(capsys):
+    assert cli_config("serve").kv_cache_dtype == "auto"
+    assert cli_config("serve", "--kv-cache-dtype", "fp8").kv_cache_dtype == "fp8"
+    assert cli_config("generate", "--kv-cache-dtype", "int8").kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err

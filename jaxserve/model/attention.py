@@ -57,14 +57,20 @@ def make_attention(backend: str, cfg: ModelConfig, mesh: Mesh, rules: sharding.R
 def _shard_over_heads(fn: AttentionFn, mesh: Mesh, axis: str) -> AttentionFn:
     heads = P(None, axis, None)               # q / out: [T, H, D]
     pages = P(None, None, axis, None)         # [P, ps, KVH, D]
+    scales = P(None, axis, None)              # [P, KVH, ps] (quantized pages)
     meta = P()
 
     def wrapped(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *, sm_scale,
-                sliding_window=None, soft_cap=None):
-        inner = partial(fn, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-        return jax.shard_map(inner, mesh=mesh, in_specs=(heads, pages, pages, meta, meta, meta, meta),
+                sliding_window=None, soft_cap=None, k_scales=None, v_scales=None):
+        def inner(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *scale_arrays):
+            return fn(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, sm_scale=sm_scale,
+                      sliding_window=sliding_window, soft_cap=soft_cap,
+                      **dict(zip(("k_scales", "v_scales"), scale_arrays)))
+        extra = () if k_scales is None else (k_scales, v_scales)
+        return jax.shard_map(inner, mesh=mesh,
+                             in_specs=(heads, pages, pages, meta, meta, meta, meta) + (scales,) * len(extra),
                              out_specs=heads, check_vma=False)(
-            q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs)
+            q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *extra)
 
     wrapped.__name__ = f"shard_map_{getattr(fn, '__name__', 'attention')}"
     return wrapped

@@ -30,12 +30,12 @@ def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arra
     seq_len_per_token = arrays.seq_lens[arrays.token_seq]
 
     def attend(i, q, k, v, layer_kv):
-        k_pages, v_pages = kv_cache.write(*layer_kv, k, v, arrays.slot_mapping)
-        out = attention_fn(q, k_pages, v_pages, arrays.seq_lens, arrays.cu_q_lens, arrays.page_tables,
-                           arrays.num_seqs, sm_scale=scale, sliding_window=cfg.layer_windows[i])
-        return out, (k_pages, v_pages)
+        layer_kv = kv_cache.write(layer_kv, k, v, arrays.slot_mapping)
+        out = attention_fn(q, layer_kv.k, layer_kv.v, arrays.seq_lens, arrays.cu_q_lens, arrays.page_tables,
+                           arrays.num_seqs, sm_scale=scale, sliding_window=cfg.layer_windows[i],
+                           k_scales=layer_kv.k_scales, v_scales=layer_kv.v_scales)
+        return out, layer_kv
 
-    logits, layers = forward(weights, cfg, token_ids, arrays.positions, attend,
-                             list(zip(kv.k, kv.v)), logits_index=arrays.logits_index,
-                             seq_lens_per_token=seq_len_per_token)
-    return logits, kv_cache.KVPages(k=[k for k, _ in layers], v=[v for _, v in layers])
+    logits, layers = forward(weights, cfg, token_ids, arrays.positions, attend, kv.layers(),
+                             logits_index=arrays.logits_index, seq_lens_per_token=seq_len_per_token)
+    return logits, kv_cache.KVPages.from_layers(layers)

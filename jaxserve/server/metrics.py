@@ -172,4 +172,17 @@ class _EngineCollector(Collector):
             counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits),
             counter("compilations_after_warmup", "XLA compilations after warm-up (should stay 0).",
                     core.runner.compilations_after_warmup),
+            self._cache_config(core),
         ]
+
+    def _cache_config(self, core: Any) -> Metric:
+        """vLLM's cache_config_info shape: the pool's settings as labels of a constant 1."""
+        cfg, pool_bytes = core.runner.engine_cfg, core.runner.capacity.kv_pool_bytes
+        tokens = cfg.num_kv_pages * cfg.page_size
+        info = dict(cache_dtype=cfg.kv_cache_dtype, page_size=str(cfg.page_size), num_pages=str(cfg.num_kv_pages),
+                    pool_tokens=str(tokens), pool_bytes=str(pool_bytes), bytes_per_token=str(pool_bytes // tokens))
+        g = GaugeMetricFamily("jaxserve:cache_config_info", "KV cache settings (labels); the value is 1. "
+                              "bytes_per_token is per device, K and V of every layer, scales included.",
+                              labels=["model_name", *info])
+        g.add_metric([self.model_name, *info.values()], 1.0)
+        return g

@@ -17,6 +17,7 @@ class Case:
     page_tables: np.ndarray  # [S, MP] int32
     num_seqs: np.ndarray  # [1] int32
     sm_scale: float
+    live_slots: np.ndarray | None = None  # [P, ps] bool: the slot holds a live token
 
     def args(self, dtype=jnp.float32) -> tuple:
         return (
@@ -100,7 +101,7 @@ def make_case(
     return Case(
         q=q, k_pages=k_pages, v_pages=v_pages, seq_lens=seq_lens, cu_q_lens=cu,
         page_tables=page_tables, num_seqs=np.array([num_live], np.int32),
-        sm_scale=float(head_dim) ** -0.5,
+        sm_scale=float(head_dim) ** -0.5, live_slots=live_slot,
     )
 
 
@@ -160,3 +161,17 @@ def assert_close(got, want, *, rtol: float, what: str = "") -> None:
         f"{what}: {int(bad.sum())} of {bad.size} values off; max abs err {err.max():.3g}, "
         f"atol {atol:.3g}"
     )
+
+
+def quantized_args(case: Case, page_dtype, dtype=jnp.float32) -> tuple[tuple, dict, tuple]:
+    """(args with 8-bit pages, their scales as kwargs, args with those pages dequantized to `dtype`):
+    the dequantized pages are what any backend reading the quantized ones must attend over."""
+    from kernels_pallas.kv_quant import dequantize_pages, quantize
+
+    q, k, v, *meta = case.args(jnp.float32)
+    kq, ks = quantize(k, page_dtype)  # scales [P, ps, KVH] -> stored [P, KVH, ps]
+    vq, vs = quantize(v, page_dtype)
+    scales = dict(k_scales=jnp.swapaxes(ks, 1, 2), v_scales=jnp.swapaxes(vs, 1, 2))
+    plain = (q.astype(dtype), dequantize_pages(kq, scales["k_scales"]).astype(dtype),
+             dequantize_pages(vq, scales["v_scales"]).astype(dtype), *meta)
+    return (q.astype(dtype), kq, vq, *meta), scales, plain

@@ -236,6 +236,40 @@ def test_kernel_compiles_for_h100(h100, case, tmp_path):
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
 
 
+# 8-bit pages with per-token scales (kernels_pallas/kv_quant.py): each page dtype with bf16 and f32
+# queries, kv blocks of whole pages and of page slices.
+QUANTIZED = [
+    dict(head_dim=128, dtype=jnp.bfloat16, page_size=16, group=4, kv_heads=8, tokens=256, max_seqs=64,
+         features={}, precision="float32"),
+    dict(head_dim=64, dtype=jnp.float32, page_size=128, group=7, kv_heads=2, tokens=2048, max_seqs=32,
+         features=dict(sliding_window=1024), precision="tensorfloat32"),
+]
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("page_dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", QUANTIZED, ids=[_case_id(c) for c in QUANTIZED])
+def test_quantized_pages_compile_for_h100(h100, case, page_dtype, tmp_path):
+    d, ps, gp = case["head_dim"], case["page_size"], next_power_of_two(case["group"])
+    q, k, v, *meta = _abstract_args(case, h100)
+    sharding = SingleDeviceSharding(h100)
+    k = v = jax.ShapeDtypeStruct(k.shape, page_dtype, sharding=sharding)
+    scales = jax.ShapeDtypeStruct((k.shape[0], k.shape[2], ps), jnp.float32, sharding=sharding)
+    fn = jax.jit(lambda q, k, v, *m: ragged_paged_attention_gpu(
+        q, k, v, *m[:4], sm_scale=d ** -0.5, k_scales=m[4], v_scales=m[5], **case["features"]))
+    with jax.default_matmul_precision(case["precision"]):
+        lowered = fn.lower(q, k, v, *meta, scales, scales)
+    lowered.compile(compiler_options={"xla_dump_to": str(tmp_path)})
+    smem, target = _kernel_report(tmp_path)
+    itemsize = jnp.dtype(case["dtype"]).itemsize
+    bq, bk = choose_blocks(num_tokens=case["tokens"], max_seqs=case["max_seqs"], group_p=gp, head_dim=d,
+                           page_size=ps, itemsize=itemsize, num_stages=2)
+    estimate = shared_memory_bytes(block_q=bq, group_p=gp, block_kv=bk, head_dim=d, itemsize=itemsize,
+                                   num_stages=2)
+    assert target == "sm_90a"
+    assert smem <= estimate <= MAX_SHARED_MEMORY, (smem, estimate)
+
+
 @pytest.mark.gpu_compile
 def test_unsupported_head_dim_falls_back_to_reference_on_h100(h100):
     """head_dim 80 (not a power of two): the GPU dispatch compiles the jnp reference instead."""

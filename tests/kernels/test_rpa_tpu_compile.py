@@ -81,7 +81,8 @@ def _kernel_vmem(hlo: str) -> tuple[int, int]:
 def _kv_cache_copies(hlo: str, args) -> list[str]:
     """Instructions that copy / relayout a whole K or V cache."""
     k = args[1]
-    short = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(k.dtype).name]
+    short = {"bfloat16": "bf16", "float32": "f32", "int8": "s8", "float8_e4m3fn": "f8e4m3fn",
+             "float8_e5m2": "f8e5m2"}[jnp.dtype(k.dtype).name]
     shapes = {f"{short}[{','.join(map(str, k.shape))}]",
               f"{short}[{k.shape[0]},{k.shape[1]},{k.shape[3]}]"}
     pattern = re.compile(r"= (\S+?)\{[^}]*\} (copy|copy-start|fusion)\(")
@@ -148,6 +149,39 @@ def test_kernel_compiles_within_vmem_budget(target, case):
     assert 0 < used <= bound <= limit, (used, bound, limit, bq, npb)
     if cfg["head_dim"] >= 128:  # head_dim 64: see test_head_dim_64_cache_is_relaid_out
         assert not _kv_cache_copies(hlo, args)
+
+
+# 8-bit pages with per-token scales (kernels_pallas/kv_quant.py): bf16 and f32 queries, one and
+# several pages per kv block (multi-page blocks build their scale rows with the one-hot matmul).
+# A Latin square: every page dtype meets every target and every case once.
+QUANTIZED_CASES = ("A-llama3-8b-prefill", "B-llama3-70b-tp8-decode", "C-qwen-0.5b-f32-window")
+PAGE_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+QUANTIZED_MATRIX = [(t, QUANTIZED_CASES[(i + j) % 3], d) for i, t in enumerate(TARGETS)
+                    for j, d in enumerate(PAGE_DTYPES)]
+
+
+@pytest.mark.parametrize("target,case,page_dtype", QUANTIZED_MATRIX,
+                         ids=[f"{t}-{c[0]}-{jnp.dtype(d).name}" for t, c, d in QUANTIZED_MATRIX])
+def test_quantized_pages_compile_within_vmem_budget(target, case, page_dtype):
+    cfg = CASES[case]
+    q, k, v, *meta = _args(target, **{k: cfg[k] for k in _SHAPE_KEYS})
+    rep = _replicated(target)
+    k = v = jax.ShapeDtypeStruct(k.shape, page_dtype, sharding=rep)
+    num_pages, page_size, kv_heads, _ = k.shape
+    scales = jax.ShapeDtypeStruct((num_pages, kv_heads, page_size), jnp.float32, sharding=rep)
+    kw = {k: cfg[k] for k in ("sliding_window", "soft_cap") if k in cfg}
+    fn = jax.jit(lambda q, k, v, *m: rpa.ragged_paged_attention_tpu(
+        q, k, v, *m[:4], sm_scale=0.125, k_scales=m[4], v_scales=m[5], **kw))
+    hlo = fn.lower(q, k, v, *meta, scales, scales).compile().as_text()
+    limit, used = _kernel_vmem(hlo)
+    assert limit == rpa.VMEM_BUDGET_BYTES[target]
+    sizes = dict(head_dim=cfg["head_dim"], num_kv_heads=cfg["kv_heads"], group=cfg["group"],
+                 page_size=cfg["page_size"], dtype=cfg["dtype"], page_dtype=page_dtype)
+    bq, npb = rpa.choose_blocks(**sizes, max_pages_per_seq=cfg["context"] // cfg["page_size"], budget=limit)
+    bound = rpa.vmem_bytes(**sizes, block_q=bq, pages_per_block=npb)
+    assert 0 < used <= bound <= limit, (used, bound, limit, bq, npb)
+    if cfg["head_dim"] >= 128:  # head_dim 64: see test_head_dim_64_cache_is_relaid_out
+        assert not _kv_cache_copies(hlo, (q, k, v))
 
 
 @pytest.mark.parametrize("target", TARGETS)

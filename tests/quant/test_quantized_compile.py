@@ -1,7 +1,9 @@
 """Quantized weights compile for a TPU this machine does not have (compile-only, from shapes): the
 largest forward bucket with the Mosaic attention kernel under TP=4 on a v6e-4, for every online
 scheme and for the zero-point and activation-order leaves of AWQ / GPTQ checkpoints; the weights
-arrive on the device in their packed types, so the program's arguments shrink accordingly."""
+arrive on the device in their packed types, so the program's arguments shrink accordingly. With
+8-bit KV pages the same program keeps its pages and scales split over the KV heads. The
+`gpu_compile` tests compile the same programs for two H100s (the Triton kernel under TP=2)."""
 
 from __future__ import annotations
 
@@ -29,10 +31,10 @@ SCHEMES = {**ONLINE,
 HLO_TYPE = {"int8": "s8[", "int4": "s4[", "fp8": "f8e4m3fn[", "awq": "u4[", "gptq-act-order": "u4["}
 
 
-def _compile(cfg, mesh, layout):
+def _compile(cfg, mesh, layout, engine=ENGINE):
     attention = make_attention("auto", cfg, mesh, layout.rules)
-    program = max((p for p in serving_programs(ENGINE, cfg) if p.kind == "forward"), key=lambda p: p.tokens)
-    return lower_program(program, cfg, ENGINE, mesh, "bfloat16", attention, layout.rules).compile()
+    program = max((p for p in serving_programs(engine, cfg) if p.kind == "forward"), key=lambda p: p.tokens)
+    return lower_program(program, cfg, engine, mesh, "bfloat16", attention, layout.rules).compile()
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +56,34 @@ def test_quantized_forward_compiles_for_tpu_with_packed_weights(tpu, name):
     assert HLO_TYPE[name] in text                          # the weights stay packed in HBM
     # 2 layers x 7 projections of 1024 x (1024 | 512 | 2048): 22 Mi params; bf16 args hold them at 2 bytes
     assert compiled.memory_analysis().argument_size_in_bytes < bf16_args
+
+
+@pytest.mark.parametrize("kv_cache_dtype,hlo_type", [("int8", "s8["), ("fp8_e5m2", "f8e5m2[")])
+def test_quantized_kv_pages_compile_for_tpu_split_over_kv_heads(tpu, kv_cache_dtype, hlo_type):
+    mesh, layout, base, _ = tpu
+    cfg = dataclasses.replace(base, quantization=ONLINE["int8"])
+    compiled = _compile(cfg, mesh, layout, dataclasses.replace(ENGINE, kv_cache_dtype=kv_cache_dtype))
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text
+    # per device: one of the 4 KV heads of the 64 x 16-token pages, and its [64, 1, 16] f32 scales
+    assert f"{hlo_type}64,16,1,128]" in text and "f32[64,1,16]" in text
+
+
+@pytest.fixture(scope="module")
+def h100s():
+    from jaxserve.gpu_target import gpu_devices
+
+    devices = gpu_devices("h100", "1x1x2")
+    return make_mesh(1, 2, devices), make_layout("tp", 2, 2), ModelConfig.from_hf(QWEN3)
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_quantized_forward_compiles_for_two_h100s(h100s, name, kv_cache_dtype):
+    mesh, layout, base = h100s
+    cfg = dataclasses.replace(base, quantization=SCHEMES[name])
+    compiled = _compile(cfg, mesh, layout, dataclasses.replace(ENGINE, kv_cache_dtype=kv_cache_dtype))
+    text = compiled.as_text()
+    assert "__gpu$xla.gpu.triton" in text                 # the Triton attention kernel
+    assert HLO_TYPE[name] in text

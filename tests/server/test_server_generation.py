@@ -235,6 +235,11 @@ def test_models_health_and_metrics_endpoints(live):
     assert metrics["jaxserve:time_to_first_token_seconds_count"] > 0
     assert metrics["jaxserve:request_queue_time_seconds_count"] > 0
     assert metrics["jaxserve:compilations_after_warmup_total"] == 0
+    (info,) = [k for k in metrics if k.startswith("jaxserve:cache_config_info{")]
+    labels = dict(kv.split("=") for kv in info[info.index("{") + 1:-1].split(","))
+    assert labels["cache_dtype"] == "auto" and int(labels["num_pages"]) == metrics["jaxserve:num_kv_pages_total"]
+    assert int(labels["pool_tokens"]) == int(labels["num_pages"]) * int(labels["page_size"])
+    assert int(labels["bytes_per_token"]) * int(labels["pool_tokens"]) == int(labels["pool_bytes"])
 
 
 def test_cache_salt_separates_prefix_cache_namespaces(live, client):
