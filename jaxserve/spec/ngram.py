@@ -1,0 +1,28 @@
+"""Prompt-lookup (n-gram) proposals from a sequence's own tokens (host, numpy, no jax).
+
+The last n tokens (n from prompt_lookup_max down to prompt_lookup_min, longest first) are looked
+up in the earlier tokens of the same sequence (prompt + output); at the most recent earlier
+occurrence, the k tokens that followed it are the proposal (fewer when the match is near the end).
+No match: no proposal. Work per call is one vectorised comparison per n over the sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def propose(tokens: Sequence[int] | np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
+    """Up to k proposed next tokens ([<= k] int32; empty when no n-gram of the suffix recurs)."""
+    seq = np.asarray(tokens, dtype=np.int64)
+    length = len(seq)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = seq[length - n:]
+        # windows[i] = seq[i:i+n] for every start i < length - n: earlier than the suffix itself
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = hits[-1] + n                     # the token after the latest earlier occurrence
+            return seq[start:start + k].astype(np.int32)
+    return np.zeros(0, np.int32)
