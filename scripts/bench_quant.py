@@ -1,7 +1,11 @@
 """Weight quantization: quality against the unquantized model, decode speed on this CPU, and the
 planner's estimate for accelerators.
 
-    python scripts/bench_quant.py [--schemes int8,int4,fp8] [--speed-preset bench-105m] [--batches 1,64]
+    JAX_PLATFORMS=cpu python scripts/bench_quant.py [--parts quality,speed,plan,kv-quality,kv-speed,kv-plan]
+        [--schemes int8,int4,fp8] [--kv-cache-dtypes int8,fp8_e4m3,fp8_e5m2] [--speed-preset bench-105m]
+        [--batches 1,64]
+
+(the plan parts' H200 columns compile-target a GPU: they need `pip install -e '.[gpu]'`)
 
 1. Quality, on every parity family (tests/hf_models.py: tiny random models written by transformers):
    mean KL(f32 || quantized) of the next-token distributions and top-1 agreement over a fixed
@@ -236,6 +240,21 @@ def bytes_and_plan(schemes: list[str]) -> list[dict]:
     return rows
 
 
+def _quality_table(rows: list[dict], variant: str, names: list[str], scale_error: bool = False) -> None:
+    """Markdown rows of the quality measures over the families, one row per scheme / KV dtype."""
+    print(f"\n| {variant} | mean KL (median over families) | worst KL | top-1 (min) | free-running greedy agreement over "
+          "256 (median, min) |" + (" rel. error per token / per page (median) |" if scale_error else ""))
+    print("|---|---:|---:|---:|---:|" + ("---:|" if scale_error else ""))
+    for name in names:
+        r = [x for x in rows if x[variant] == name]
+        med = lambda key: statistics.median(x[key] for x in r)  # noqa: E731
+        line = (f"| {name} | {med('kl'):.2e} | {max(x['kl'] for x in r):.2e} | {min(x['top1'] for x in r):.3f} | "
+                f"{med('greedy_agreement'):.3f}, {min(x['greedy_agreement'] for x in r):.3f} |")
+        if scale_error:
+            line += f" {med('rel_err_per_token'):.4f} / {med('rel_err_per_page'):.4f} |"
+        print(line)
+
+
 def _speed_table(rows: list[dict], variant: str) -> None:
     """Markdown rows of one decode step and its breakdown (layers include the KV write)."""
     print(f"| batch | {variant} | step ms | forward ms | layers ms | lm_head ms | attention ms | sampler ms | recompiles |")
@@ -265,20 +284,20 @@ def main(argv: list[str] | None = None) -> int:
         result["cpu"] = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    batches = [int(b) for b in args.batches.split(",")]
     if "quality" in parts:
         result["quality"] = quality(schemes)
-        print("\n| scheme | mean KL (median over families) | worst KL | top-1 agreement (min) | greedy agreement over 256 (median, min) |")
-        print("|---|---:|---:|---:|---:|")
-        for s in schemes:
-            r = [x for x in result["quality"] if x["scheme"] == s]
-            print(f"| {s} | {statistics.median(x['kl'] for x in r):.2e} | {max(x['kl'] for x in r):.2e} | "
-                  f"{min(x['top1'] for x in r):.3f} | {statistics.median(x['greedy_agreement'] for x in r):.3f}, "
-                  f"{min(x['greedy_agreement'] for x in r):.3f} |")
-    if "speed" in parts:
-        result["speed"] = speed(args.speed_preset, [int(b) for b in args.batches.split(",")], args.context,
-                                args.steps, args.repeats, schemes=schemes)
-        print(f"\n{args.speed_preset}, context {args.context}, {result['cpu']}")
-        _speed_table(result["speed"], "scheme")
+        _quality_table(result["quality"], "scheme", schemes)
+    if "kv-quality" in parts:
+        result["kv_quality"] = kv_quality(kv_dtypes)
+        _quality_table(result["kv_quality"], "kv_cache_dtype", kv_dtypes, scale_error=True)
+    for part, variant, kw in (("speed", "scheme", dict(schemes=schemes)),
+                              ("kv-speed", "kv_cache_dtype", dict(kv_dtypes=kv_dtypes))):
+        if part in parts:
+            rows = result[part.replace("-", "_")] = speed(args.speed_preset, batches, args.context, args.steps,
+                                                          args.repeats, **kw)
+            print(f"\n{args.speed_preset}, context {args.context}, float32 activations, {result['cpu']}")
+            _speed_table(rows, variant)
     if "plan" in parts:
         result["plan"] = bytes_and_plan(schemes)
         print("\nQwen3-8B shape, bf16 compute, context 2048, roofline (no compile)")
@@ -288,22 +307,6 @@ def main(argv: list[str] | None = None) -> int:
         for r in result["plan"]:
             print(f"| {r['scheme']} | {r['bytes_per_weight']:.3f} | {r['projection_bytes_per_weight']:.3f} | "
                   f"{r['weight_gib']:.2f} | " + " | ".join(f"{r[k]:.0f}" for k in keys) + " |")
-    if "kv-quality" in parts:
-        result["kv_quality"] = kv_quality(kv_dtypes)
-        print("\n| KV cache dtype | mean KL (median over families) | worst KL | top-1 (min) | free-running greedy "
-              "agreement over 256 (median, min) | rel. error per token / per page (median) |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for name in kv_dtypes:
-            r = [x for x in result["kv_quality"] if x["kv_cache_dtype"] == name]
-            med = lambda key: statistics.median(x[key] for x in r)  # noqa: E731
-            print(f"| {name} | {med('kl'):.2e} | {max(x['kl'] for x in r):.2e} | {min(x['top1'] for x in r):.3f} | "
-                  f"{med('greedy_agreement'):.3f}, {min(x['greedy_agreement'] for x in r):.3f} | "
-                  f"{med('rel_err_per_token'):.4f} / {med('rel_err_per_page'):.4f} |")
-    if "kv-speed" in parts:
-        result["kv_speed"] = speed(args.speed_preset, [int(b) for b in args.batches.split(",")], args.context,
-                                   args.steps, args.repeats, kv_dtypes=kv_dtypes)
-        print(f"\n{args.speed_preset}, context {args.context}, float32 weights, {result['cpu']}")
-        _speed_table(result["kv_speed"], "kv_cache_dtype")
     if "kv-plan" in parts:
         result["kv_plan"] = kv_plan(kv_dtypes)
         print("\nQwen3-8B shape, bf16, max_model_len 8192, roofline (no compile)")
