@@ -369,6 +369,20 @@ def _draw(x: jax.Array, t: SamplingTensors, row_max: jax.Array) -> jax.Array:
     return jnp.minimum(b * _DRAW_BLOCK + col, v - 1).astype(jnp.int32)
 
 
+def target_probs(logits: jax.Array, tensors: SamplingTensors, vocab_size: int,
+                 bitmask: jax.Array | None = None) -> jax.Array:
+    """[R, V] float32: the distribution `sample` draws each sampled row's token from (processed
+    logits, then top-k / top-p / min-p, normalised); greedy and padding rows get one-hot rows at
+    their argmax. Speculative verification (spec/rejection.py) accepts and resamples against it, so
+    speculation emits what sampling alone would."""
+    x = process_logits(logits, tensors, vocab_size, bitmask)
+    row_max = jnp.max(x, axis=1, keepdims=True)
+    e = jnp.where(_truncation_mask(x, tensors), jnp.exp(x - row_max), 0.0)
+    probs = e / jnp.sum(e, axis=1, keepdims=True)
+    one_hot = jax.nn.one_hot(argmax_rows(x), x.shape[1], dtype=jnp.float32)
+    return jnp.where((tensors.temperature > 0)[:, None], probs, one_hot)
+
+
 def argmax_rows(x: jax.Array, block: int = _DRAW_BLOCK) -> jax.Array:
     """jnp.argmax(x, axis=1) for x: [R, V], the same index on ties (the first); for a row with NaN
     the index is unspecified (XLA's vectorised max may drop NaNs; a NaN check would cost more than
