@@ -62,10 +62,10 @@ def _shard_over_heads(fn: AttentionFn, mesh: Mesh, axis: str) -> AttentionFn:
 
     def wrapped(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *, sm_scale,
                 sliding_window=None, soft_cap=None, k_scales=None, v_scales=None):
-        def inner(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *scale_arrays):
+        def inner(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *scales_in):
+            ks, vs = scales_in or (None, None)
             return fn(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, sm_scale=sm_scale,
-                      sliding_window=sliding_window, soft_cap=soft_cap,
-                      **dict(zip(("k_scales", "v_scales"), scale_arrays)))
+                      sliding_window=sliding_window, soft_cap=soft_cap, k_scales=ks, v_scales=vs)
         extra = () if k_scales is None else (k_scales, v_scales)
         return jax.shard_map(inner, mesh=mesh,
                              in_specs=(heads, pages, pages, meta, meta, meta, meta) + (scales,) * len(extra),
