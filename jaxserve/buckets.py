@@ -64,6 +64,14 @@ def declared_buckets(cfg: Any) -> list[tuple[int, int]]:
     return sorted({(t, min(s, t)) for t in token_buckets(cfg) for s in seq_buckets(cfg)})
 
 
+def logits_rows(cfg: Any, tokens: int, rows: int) -> int:
+    """Logits (sampler) rows of the forward bucket (tokens, rows): one per sequence row, or with
+    speculative decoding up to 1 + k per sequence (its drafts are sampled too), never more than the
+    bucket's tokens."""
+    spec = getattr(cfg, "speculative_config", None)
+    return rows if spec is None else min(tokens, rows * (1 + spec.num_speculative_tokens))
+
+
 def choose_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:
     fitting = [b for b in buckets if b[0] >= num_tokens and b[1] >= num_seqs]
     if not fitting:
@@ -105,13 +113,19 @@ class Program:
 
     kind: str          # "forward" | "sample" | "copy"
     tokens: int = 0    # forward: T
-    rows: int = 0      # forward / sample: S
+    rows: int = 0      # forward: S sequence rows; sample: its logits rows
     history: int = 0   # sample: H (width of the penalty / bias table)
+    logits: int = 0    # forward: logits rows (S, more with speculative decoding: logits_rows)
+
+    def __post_init__(self) -> None:
+        if self.kind == "forward" and not self.logits:
+            object.__setattr__(self, "logits", self.rows)
 
     @property
     def name(self) -> str:
         if self.kind == "forward":
-            return f"forward T={self.tokens} S={self.rows}"
+            extra = f" L={self.logits}" if self.logits != self.rows else ""
+            return f"forward T={self.tokens} S={self.rows}{extra}"
         if self.kind == "sample":
             return f"sample S={self.rows} H={self.history}"
         return "page copy"
@@ -120,8 +134,8 @@ class Program:
 def serving_programs(engine_cfg: "EngineConfig", model_cfg: "ModelConfig") -> list[Program]:
     """Every program warm-up compiles, in warm-up order (engine_cfg resolved: capacity.py)."""
     buckets = declared_buckets(engine_cfg)
-    rows = sorted({s for _, s in buckets})
+    rows = sorted({logits_rows(engine_cfg, t, s) for t, s in buckets})
     hist = history_buckets(engine_cfg.max_model_len, model_cfg.vocab_size)
-    return ([Program("forward", t, s) for t, s in buckets]
+    return ([Program("forward", t, s, logits=logits_rows(engine_cfg, t, s)) for t, s in buckets]
             + [Program("sample", rows=s, history=h) for s in rows for h in hist]
             + [Program("copy")])

@@ -87,6 +87,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="queued sequences beyond which new requests get 429")
     g.add_argument("--seed", type=int, default=0, help="seeds the random seeds of requests that bring none")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON shape, e.g. \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (prompt lookup: drafts copied from '
+                   'the sequence\'s own earlier tokens, verified losslessly in the step); optional '
+                   '"disable_by_batch_size": N turns it off while more than N sequences run (default: off)')
 
 
 def _quantization_arg(g: "argparse._ActionsContainer") -> None:
@@ -137,7 +142,7 @@ def _engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  
         async_scheduling=args.async_scheduling,
         dtype=None if args.dtype == "auto" else args.dtype, quantization=args.quantization, mesh_shape=mesh,
         attention_backend=args.attention_backend, compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,
-        seed=args.seed)
+        seed=args.seed, speculative_config=args.speculative_config)
 
 
 def _size_fields(args: argparse.Namespace) -> dict:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxserve import buckets
 from jaxserve.quant import kv as kv_quant
+from jaxserve.spec.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from jaxserve.quant.scheme import WeightQuant
@@ -264,8 +265,15 @@ class EngineConfig:
     max_waiting_requests: int = 1024
     seed: int = 0
     async_scheduling: bool = True            # plan and dispatch step n+1 while step n runs on the device
+    # speculative decoding: a SpeculativeConfig, or its JSON text / dict (vLLM's shape); None: off
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and self.speculative_config.method != "ngram":
+            raise ValueError(f"--speculative-config method {self.speculative_config.method!r} is not served yet; "
+                             "the served method is 'ngram' (prompt lookup)")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_pages",
                      "kv_cache_memory"):
             value = getattr(self, name)

@@ -9,6 +9,10 @@ host, so a step n that sampled such a row is finished before step n+1 is planned
 A grammar-constrained row (structured output) needs its previous token for its token mask, but not
 for its forward: step n+1's forward is dispatched first, step n is applied while it runs, and
 n+1's sampler is dispatched with the masks once they are filled.
+Speculative decoding: while speculation is active (configured, batch within disable_by_batch_size)
+steps run synchronously: a draft proposal needs the sequence's last token on the host, and a step
+with drafts emits an accepted run whose length the next step's positions depend on. Counts of
+drafted and accepted tokens are logged every SPEC_LOG_INTERVAL seconds.
 Without async scheduling a step is schedule -> build -> dispatch -> wait -> update.
 `Engine` runs an `EngineCore` on one background thread and delivers each request's TokenEvents to
 an asyncio queue on the caller's event loop (`call_soon_threadsafe`). Nothing here decodes text:
@@ -39,6 +43,8 @@ from jaxserve.sampler import SamplerOutput
 from jaxserve.step_inputs import StepInputs, constraint_bitmask, has_constrained_rows, needs_output_ids
 
 logger = logging.getLogger("jaxserve.engine")
+
+SPEC_LOG_INTERVAL = 5.0  # seconds between speculative decoding summary lines
 
 
 @dataclasses.dataclass
@@ -76,8 +82,16 @@ class EngineCore:
         self.timings = StepTimings()
         self.num_prefill_tokens = 0   # prompt tokens computed (prefix-cache hits excluded)
         self.num_generated_tokens = 0  # tokens emitted (a token sampled after its sequence stopped is not)
-        self.num_sync_steps = 0        # async scheduling: steps finished before planning the next (penalties)
+        self.num_sync_steps = 0        # async scheduling: steps finished before planning the next (penalties,
+                                       # speculation)
         self._inflight: _InFlight | None = None
+        spec = self.scheduler.spec_stats
+        self._spec_logged = (time.monotonic(), spec.copy()) if spec is not None else None
+        if (sc := engine_cfg.speculative_config) is not None:
+            limit = "" if sc.disable_by_batch_size is None else f", off above {sc.disable_by_batch_size} running"
+            logger.info("speculative decoding: %s, up to %d draft tokens per decode (n-gram %d..%d)%s; steps run "
+                        "synchronously while it is on", sc.method, sc.num_speculative_tokens, sc.prompt_lookup_min,
+                        sc.prompt_lookup_max, limit)
 
     @property
     def num_kv_pages(self) -> int:
@@ -124,8 +138,9 @@ class EngineCore:
             return events
         prev, self._inflight = self._inflight, None
         events: list[TokenEvent] = []
-        if prev is not None and any(c.sample and needs_output_ids(c.request.params) for c in prev.plan.chunks):
-            events += self._complete(prev)  # penalties read the ids: no placeholder for them
+        if prev is not None and (self.scheduler.speculation_active() or prev.plan.has_drafts or any(
+                c.sample and needs_output_ids(c.request.params) for c in prev.plan.chunks)):
+            events += self._complete(prev)  # drafts and penalties read the ids: no placeholder for them
             prev = None
             self.num_sync_steps += 1
         plan = self._schedule()
@@ -186,22 +201,31 @@ class EngineCore:
         tm.update += time.perf_counter() - t1
         tm.steps += 1
         self.num_generated_tokens += sum(1 for e in events if e.token_id is not None)
+        if self._spec_logged is not None and time.monotonic() - self._spec_logged[0] >= SPEC_LOG_INTERVAL:
+            self._log_spec()
         return events
+
+    def _log_spec(self) -> None:
+        stats = self.scheduler.spec_stats
+        since = stats.since(self._spec_logged[1])
+        if since.num_drafts:
+            logger.info("%s", since.summary())
+        self._spec_logged = (time.monotonic(), stats.copy())
 
 
 def _sampled_tokens(plan: StepPlan, out: SamplerOutput) -> list[SampledToken]:
+    """One SampledToken per sample row, in plan order (a chunk with d drafts has d + 1 rows)."""
     sampled = []
     row = 0
     for chunk in plan.chunks:
-        if not chunk.sample:
-            continue
         want = chunk.request.params.logprobs
-        top = None
-        if want:
-            top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[row, :want], out.top_logprobs[row, :want])]
-        logprob = float(out.logprobs[row]) if want is not None else None
-        sampled.append(SampledToken(chunk.seq_id, int(out.token_ids[row]), logprob, top))
-        row += 1
+        for _ in range(chunk.num_sample_rows):
+            top = None
+            if want:
+                top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[row, :want], out.top_logprobs[row, :want])]
+            logprob = float(out.logprobs[row]) if want is not None else None
+            sampled.append(SampledToken(chunk.seq_id, int(out.token_ids[row]), logprob, top))
+            row += 1
     return sampled
 
 

@@ -194,12 +194,12 @@ class ModelRunner:
         # Steps feed the sample program's padded ids to the next forward: prime that buffer with a
         # real one, so the forwards below compile for the sharding steps will give them.
         first = programs[0]
-        logits, self.kv = self._forward(dummy_arrays(first.tokens, first.rows, max_pages, pad_slot))
-        _, self._prev_ids = self._sample(logits, dummy_sampling(first.rows, 0))
+        logits, self.kv = self._forward(dummy_arrays(first, max_pages, pad_slot))
+        _, self._prev_ids = self._sample(logits, dummy_sampling(first.logits, 0))
         logits_by_rows = {}  # real forward outputs, so the sampler sees the shardings steps will give it
         for done, p in enumerate(programs, 1):
             if p.kind == "forward":
-                logits_by_rows[p.rows], self.kv = self._forward(dummy_arrays(p.tokens, p.rows, max_pages, pad_slot))
+                logits_by_rows[p.logits], self.kv = self._forward(dummy_arrays(p, max_pages, pad_slot))
             elif p.kind == "sample":
                 jax.block_until_ready(self._sample(logits_by_rows[p.rows], dummy_sampling(p.rows, p.history)))
             else:

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxserve import kv_cache, sharding
-from jaxserve.buckets import Program, declared_buckets
+from jaxserve.buckets import Program, declared_buckets, logits_rows
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model import weights as weights_mod
 from jaxserve.model.paged import forward_paged
@@ -58,15 +58,16 @@ copy_step = jax.jit(kv_cache.copy_pages, donate_argnums=(0,))
 
 
 def rows_width(engine_cfg: EngineConfig) -> int:
-    """Length of the device buffer of last-step sampled ids: the largest sequence bucket."""
-    return max(s for _, s in declared_buckets(engine_cfg))
+    """Length of the device buffer of last-step sampled ids: the most logits rows of any bucket."""
+    return max(logits_rows(engine_cfg, t, s) for t, s in declared_buckets(engine_cfg))
 
 
-def dummy_arrays(t: int, s: int, max_pages: int, pad_slot: int) -> StepArrays:
-    """A bucket-shaped step that writes nothing (every slot is padding) and has no live sequence."""
+def dummy_arrays(program: Program, max_pages: int, pad_slot: int) -> StepArrays:
+    """A forward bucket's step that writes nothing (every slot is padding) and has no live sequence."""
+    t, s = program.tokens, program.rows
     z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     return StepArrays(z(t), z(t), z(t), np.full(t, pad_slot, np.int32), z(s + 1), z(s), z(s, max_pages),
-                      z(1), z(s), np.full(t, -1, np.int32))
+                      z(1), z(program.logits), np.full(t, -1, np.int32))
 
 
 def dummy_sampling(s: int, h: int) -> SamplingTensors:
@@ -106,8 +107,7 @@ def lower_program(program: Program, model_cfg: ModelConfig, engine_cfg: EngineCo
     num_pages, page_size = engine_cfg.num_kv_pages, engine_cfg.page_size
     kv = kv_cache.abstract(model_cfg, num_pages, page_size, kv_dtype(engine_cfg, dtype), mesh, rules)
     if program.kind == "forward":
-        packed, spec = host(dummy_arrays(program.tokens, program.rows, engine_cfg.max_pages_per_seq,
-                                         num_pages * page_size))
+        packed, spec = host(dummy_arrays(program, engine_cfg.max_pages_per_seq, num_pages * page_size))
         prev_ids = jax.ShapeDtypeStruct((rows_width(engine_cfg),), jnp.int32, sharding=replicated)
         return forward_step.lower(abstract_weights(model_cfg, dtype, mesh, rules), kv=kv, packed=packed, spec=spec,
                                   cfg=model_cfg, attention_fn=attention_fn, prev_ids=prev_ids)

@@ -27,6 +27,18 @@ Pages may be freed while a dispatched step still writes into them: device steps 
 nothing reads a page before writing it, so the next owner only ever sees its own K/V. A page enters
 the prefix cache only when every position it covers has a known token and its K/V is computed by a
 dispatched step (`_commit`), so its content always matches its key by the time a later step reads it.
+
+Speculative decoding (`EngineConfig.speculative_config`, n-gram proposals): a decode whose last
+token is known (nothing in flight) may carry d <= k draft tokens after it, d + 1 tokens computed and
+d + 1 rows sampled in the same step (spec/accept.py verifies them: the rows sampled as without
+speculation, the drafts accepted while they match). Drafts need budget and free pages (a step never
+preempts for them) and stop short of max_len; a constrained sequence's drafts are cut at the first
+token its grammar refuses. `update()` emits the accepted run token by token with the usual stop
+checks and rolls `num_computed_tokens` back over the rejected drafts: their K/V stays in the pages
+as garbage past the sequence's length, overwritten by later steps, and never committed to the
+prefix cache (commits cover known tokens only). A speculating sequence is not planned again until
+its step is updated (its computed count runs ahead of its known tokens), so the engine completes a
+step with drafts before planning the next.
 """
 
 from __future__ import annotations
@@ -38,6 +50,9 @@ from typing import Any
 
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import FinishReason, Request, Sequence, SequenceStatus, TokenEvent
+from jaxserve.spec import ngram
+from jaxserve.spec.accept import num_accepted
+from jaxserve.spec.stats import SpecDecodeStats
 
 logger = logging.getLogger("jaxserve.scheduler")
 
@@ -49,7 +64,8 @@ _CONFIG_FIELDS = ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_mo
 
 @dataclasses.dataclass
 class SampledToken:
-    """What the model runner returns per chunk with sample=True, in plan order."""
+    """What the model runner returns per sample row, in plan order (a chunk with d drafts has
+    d + 1 rows)."""
 
     seq_id: str
     token_id: int
@@ -69,6 +85,13 @@ class ScheduledChunk:
     sample: bool                 # chunk ends at the sequence's last token: one token is sampled
     output_token_ids: list[int]  # generated tokens so far; the live list, read it before update(); it lacks
                                  # the in-flight token (its count: start_pos + len(token_ids) - prompt length)
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)  # speculative: the last
+                                 # len(draft_token_ids) entries of token_ids, each also a sample row
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Sampler rows: the last 1 + len(draft_token_ids) token rows of a sampling chunk, else 0."""
+        return 1 + len(self.draft_token_ids) if self.sample else 0
 
 
 @dataclasses.dataclass
@@ -86,7 +109,12 @@ class StepPlan:
 
     @property
     def num_samples(self) -> int:
-        return sum(1 for c in self.chunks if c.sample)
+        """Sampler rows of the plan (one per sampling chunk, plus one per draft token)."""
+        return sum(c.num_sample_rows for c in self.chunks)
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(c.draft_token_ids for c in self.chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +135,7 @@ class _Step:
     scheduled: dict[str, ScheduledChunk] = dataclasses.field(default_factory=dict)
     preempted: bool = False
     cache_hit_tokens: int = 0
+    speculate: bool = False  # decodes of this step may carry drafts
 
 
 class Scheduler:
@@ -143,6 +172,8 @@ class Scheduler:
         self._num_preemptions = 0
         self.num_discarded_tokens = 0  # sampled after their sequence had finished (async scheduling)
         self._outstanding = 0  # plans with chunks scheduled and not yet updated
+        self._spec = getattr(cfg, "speculative_config", None)
+        self.spec_stats = SpecDecodeStats(self._spec.num_speculative_tokens) if self._spec is not None else None
 
     # ---- entry points (any thread) -------------------------------------------------------------
 
@@ -215,6 +246,7 @@ class Scheduler:
         self._waiting.extend(incoming)
         for request_id, sample_index, is_abort in removals:
             self._remove(request_id, sample_index, is_abort, st.plan)
+        st.speculate = self.speculation_active()
 
         for decode_phase in (True, False):
             for seq in list(self._running):
@@ -241,24 +273,28 @@ class Scheduler:
                 seq.num_inflight += 1
         self._outstanding += bool(plan.chunks)
         if logger.isEnabledFor(logging.DEBUG):
-            decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1)
-            logger.debug("step: running=%d waiting=%d tokens=%d (decode %d, prefill %d) preempted=%d "
+            decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1 + len(c.draft_token_ids))
+            drafts = sum(len(c.draft_token_ids) for c in plan.chunks)
+            logger.debug("step: running=%d waiting=%d tokens=%d (decode %d, draft %d, prefill %d) preempted=%d "
                          "cache_hit_tokens=%d free_pages=%d", len(self._running),
-                         sum(len(u) for u in self._waiting), plan.num_tokens, decodes,
-                         plan.num_tokens - decodes, len(plan.preempted), st.cache_hit_tokens,
+                         sum(len(u) for u in self._waiting), plan.num_tokens, decodes, drafts,
+                         plan.num_tokens - decodes - drafts, len(plan.preempted), st.cache_hit_tokens,
                          self.allocator.num_free_pages)
         return plan
 
     def update(self, plan: StepPlan, sampled: list[SampledToken]) -> list[TokenEvent]:
-        """Appends the sampled tokens (one per chunk with sample=True, in plan order), applies stop
-        conditions, frees finished sequences' pages and returns one TokenEvent per appended token.
+        """Appends the sampled tokens (one per sample row, in plan order), applies stop conditions,
+        frees finished sequences' pages and returns one TokenEvent per appended token. A chunk with
+        drafts appends its accepted run (spec/accept.py), stopping early where a stop condition
+        holds, and its rejected drafts stop counting as computed.
 
         Plans are updated in the order they were scheduled. A token of a sequence that finished
         meanwhile (a stop in the previous update, an abort or finish) is discarded without an event;
         a token of a sequence preempted meanwhile is appended and emitted as usual."""
         if len(sampled) != plan.num_samples:
             raise ValueError(f"expected {plan.num_samples} sampled tokens for this plan, got {len(sampled)}")
-        for chunk, tok in zip((c for c in plan.chunks if c.sample), sampled):
+        rows = [c for c in plan.chunks for _ in range(c.num_sample_rows)]
+        for chunk, tok in zip(rows, sampled):
             if tok.seq_id != chunk.seq_id:
                 raise ValueError(f"sampled token for {tok.seq_id!r} where the plan has {chunk.seq_id!r}")
         if any(c.seq_id not in plan.owners for c in plan.chunks):
@@ -268,26 +304,39 @@ class Scheduler:
         it = iter(sampled)
         for chunk in plan.chunks:
             seq = plan.owners[chunk.seq_id]
-            tok = next(it) if chunk.sample else None
-            if tok is not None:
+            toks = [next(it) for _ in range(chunk.num_sample_rows)]
+            if toks:
                 seq.num_inflight -= 1
+            drafts = chunk.draft_token_ids
+            accepted = num_accepted(drafts, [t.token_id for t in toks]) if toks else 0
+            if drafts:
+                self.spec_stats.record(len(drafts), accepted)
+                if seq.status is SequenceStatus.RUNNING:
+                    seq.num_computed_tokens -= len(drafts) - accepted  # rejected drafts' K/V is garbage now
             if seq.status is SequenceStatus.FINISHED:
-                self.num_discarded_tokens += tok is not None
+                self.num_discarded_tokens += len(toks[:accepted + 1])
                 continue
-            if tok is None:
+            if not toks:
                 self._commit(seq)
                 continue
-            seq.output_token_ids.append(tok.token_id)
-            if seq.guide is not None:
-                seq.guide.accept(tok.token_id)
-            self._commit(seq)
-            reason = self._stop_reason(seq, tok.token_id)
-            events.append(TokenEvent(seq.request.request_id, seq.sample_index, tok.token_id, tok.logprob,
-                                     tok.top_logprobs, reason, seq.num_prompt_tokens,
-                                     seq.num_cached_prompt_tokens))
-            if reason is not None:
-                self._retire(seq)
+            for tok in toks[:accepted + 1]:
+                seq.output_token_ids.append(tok.token_id)
+                if seq.guide is not None:
+                    seq.guide.accept(tok.token_id)
+                self._commit(seq)
+                reason = self._stop_reason(seq, tok.token_id)
+                events.append(TokenEvent(seq.request.request_id, seq.sample_index, tok.token_id, tok.logprob,
+                                         tok.top_logprobs, reason, seq.num_prompt_tokens,
+                                         seq.num_cached_prompt_tokens))
+                if reason is not None:
+                    self._retire(seq)
+                    break
         return events
+
+    def speculation_active(self) -> bool:
+        """Whether the next step's decodes may carry drafts (configured, and the running batch is
+        within disable_by_batch_size)."""
+        return self._spec is not None and self._spec.active(len(self._running))
 
     # ---- admission and limits ------------------------------------------------------------------
 
@@ -377,6 +426,10 @@ class Scheduler:
         length = min(seq.target_len - start, st.budget)
         if length <= 0:
             return
+        drafts = self._drafts(seq, st) if st.speculate and length == 1 else []
+        if drafts and alloc.pages_to_grow(seq.seq_id, start + 1 + len(drafts), start) > alloc.num_free_pages:
+            drafts = []  # speculation never takes the last pages, nor preempts anyone
+        length += len(drafts)
         while alloc.pages_to_grow(seq.seq_id, start + length, start) > alloc.num_free_pages:
             fit = self._tokens_that_fit(seq.seq_id, start, length)
             if fit > 0:
@@ -389,7 +442,7 @@ class Scheduler:
             if victim is seq:
                 return
         copies = alloc.grow(seq.seq_id, start + length, start)
-        stop = start + length
+        stop = start + length - len(drafts)  # the drafts come after the sequence's last token
         known = min(stop, seq.num_tokens)
         token_ids = seq.token_slice(start, known) if known > start else []
         if stop > known:  # the token sampled by the step in flight: only ever a 1-token decode
@@ -397,13 +450,28 @@ class Scheduler:
             token_ids.append(PENDING_TOKEN)
         chunk = ScheduledChunk(
             seq_id=seq.seq_id, request=seq.request, sample_index=seq.sample_index,
-            token_ids=token_ids, start_pos=start,
+            token_ids=token_ids + drafts, start_pos=start,
             page_table=list(alloc.page_table(seq.seq_id)), sample=stop == seq.num_tokens + seq.num_inflight,
-            output_token_ids=seq.output_token_ids)
+            output_token_ids=seq.output_token_ids, draft_token_ids=drafts)
         st.plan.chunks.append(chunk)
         st.plan.copies.extend(copies)
         st.scheduled[seq.seq_id] = chunk
         st.budget -= length
+
+    def _drafts(self, seq: Sequence, st: _Step) -> list[int]:
+        """Draft tokens for a decode of seq: n-gram lookup over its prompt + output, at most k, the
+        step's leftover budget, and what max_len leaves; cut where its grammar refuses one."""
+        spec = self._spec
+        if seq.num_inflight or seq.pending_siblings or seq.num_computed_tokens != seq.num_tokens - 1:
+            return []  # the last token must be known (async: the previous step finished)
+        k = min(spec.num_speculative_tokens, st.budget - 1, seq.max_len - seq.num_tokens - 1)
+        if k <= 0:
+            return []
+        drafts = ngram.propose(seq.token_slice(0, seq.num_tokens), k, spec.prompt_lookup_min,
+                               spec.prompt_lookup_max).tolist()
+        if drafts and seq.guide is not None:
+            drafts = drafts[:seq.guide.valid_prefix(drafts)]
+        return drafts
 
     def _tokens_that_fit(self, seq_id: str, start: int, length: int) -> int:
         """Largest m <= length whose growth fits in the free pages (0 if none); pages_to_grow is

@@ -1,8 +1,10 @@
 """StepPlan -> fixed-bucket numpy arrays. The only place that pads.
 
 A step is one flat ragged batch: `T` token rows (a bucket >= the plan's tokens), `S` sequence rows
-(a bucket >= the plan's chunks); the rows that sample are gathered before the lm_head, and there
-are at most S of them, so the logits/sampling row count is S too. Buckets are declared by the
+(a bucket >= the plan's chunks); the rows that sample are gathered before the lm_head: at most one
+per sequence, so S of them, or with speculative decoding 1 + d per sequence with d drafts
+(`buckets.logits_rows`: L = min(T, S (1 + k))). A draft row samples as if its drafts before it had
+been emitted: its output count (seed key, min_tokens), penalty table and grammar state include them. Buckets are declared by the
 engine config as (T, S) pairs with S <= T and T <= max_num_batched_tokens, so padding never exceeds
 the step's token budget. Padding rows write to the out-of-bounds slot (dropped) and belong to no
 live sequence (`num_seqs` stops the attention there).
@@ -20,7 +22,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from jaxserve.buckets import choose_bucket, declared_buckets
+from jaxserve.buckets import choose_bucket, declared_buckets, logits_rows
 from jaxserve.config import EngineConfig
 from jaxserve.sampler import SamplingRow, SamplingTensors, bitmask_words
 from jaxserve.sampling_params import SamplingParams
@@ -37,7 +39,7 @@ class StepArrays(NamedTuple):
     seq_lens: np.ndarray       # [S] int32  tokens in the cache after this step
     page_tables: np.ndarray    # [S, max_pages_per_seq] int32
     num_seqs: np.ndarray       # [1] int32
-    logits_index: np.ndarray   # [S] int32  token rows that sample (padding -> 0)
+    logits_index: np.ndarray   # [L] int32  token rows that sample (padding -> 0)
     prev_sample_row: np.ndarray  # [T] int32  -1: token_ids holds the id; r >= 0: the id sampled at
                                  # row r of the previous step (an in-flight token)
 
@@ -66,6 +68,10 @@ class StepInputBuilder:
         pending token has no row there, or belongs to a row that needs output ids (penalties)."""
         chunks = plan.chunks
         t_bucket, s_bucket = choose_bucket(self.buckets, plan.num_tokens, len(chunks))
+        l_bucket = logits_rows(self.cfg, t_bucket, s_bucket)
+        if plan.num_samples > l_bucket:
+            raise ValueError(f"{plan.num_samples} sample rows exceed the {l_bucket} logits rows of bucket "
+                             f"T={t_bucket} S={s_bucket} (more drafts than speculative_config allows?)")
         ps = self.cfg.page_size
         token_ids = np.zeros(t_bucket, np.int32)
         positions = np.zeros(t_bucket, np.int32)
@@ -74,7 +80,7 @@ class StepInputBuilder:
         cu = np.zeros(s_bucket + 1, np.int32)
         seq_lens = np.zeros(s_bucket, np.int32)
         page_tables = np.zeros((s_bucket, self.cfg.max_pages_per_seq), np.int32)
-        logits_index = np.zeros(s_bucket, np.int32)
+        logits_index = np.zeros(l_bucket, np.int32)
         prev_row = np.full(t_bucket, -1, np.int32)
         prev_rows: dict[str, int] | None = None
         rows: list[SamplingRow] = []
@@ -99,14 +105,17 @@ class StepInputBuilder:
             t += n
             cu[i + 1] = t
             if c.sample:
-                logits_index[len(rows)] = t - 1
-                rows.append(SamplingRow(c.request.params, c.request.params.seed + c.sample_index,
-                                        c.request.prompt_token_ids, _outputs_before_sample(c),
-                                        c.request.eos_token_ids, c.request.grammar is not None))
+                outputs = _outputs_before_sample(c)
+                for j in range(c.num_sample_rows):  # the last token, then each draft
+                    logits_index[len(rows)] = t - c.num_sample_rows + j
+                    rows.append(SamplingRow(c.request.params, c.request.params.seed + c.sample_index,
+                                            c.request.prompt_token_ids,
+                                            [*outputs, *c.draft_token_ids[:j]] if j else outputs,
+                                            c.request.eos_token_ids, c.request.grammar is not None))
         cu[len(chunks) + 1:] = t
         arrays = StepArrays(token_ids, positions, token_seq, slots, cu, seq_lens, page_tables,
                             np.array([len(chunks)], np.int32), logits_index, prev_row)
-        sampling = SamplingTensors.from_rows(rows, s_bucket, self.vocab_size)
+        sampling = SamplingTensors.from_rows(rows, l_bucket, self.vocab_size)
         copies = np.asarray(plan.copies, np.int32).reshape(-1, 2)
         return StepInputs(arrays, sampling, len(rows), copies)
 
@@ -121,7 +130,13 @@ def constraint_bitmask(plan: StepPlan, num_rows: int, vocab_size: int) -> np.nda
     constrained. Every token sampled before this step must have been applied (scheduler.update)."""
     if not has_constrained_rows(plan):
         return None
-    guides = [plan.owners[c.seq_id].guide for c in plan.chunks if c.sample]
+    guides = []
+    for c in plan.chunks:
+        if c.sample:
+            guide = plan.owners[c.seq_id].guide
+            guides.append(guide)
+            guides.extend(guide.advanced(c.draft_token_ids[:j]) if guide is not None else None
+                          for j in range(1, c.num_sample_rows))
     return fill_bitmask(guides, num_rows, bitmask_words(vocab_size))
 
 
@@ -132,16 +147,20 @@ def needs_output_ids(params: SamplingParams) -> bool:
 
 
 def _sample_rows(plan: StepPlan | None) -> dict[str, int]:
-    """seq_id -> row of the plan's sampler output."""
-    if plan is None:
-        return {}
-    return {c.seq_id: i for i, c in enumerate(c for c in plan.chunks if c.sample)}
+    """seq_id -> row of the plan's sampler output (chunks without drafts: a chunk with drafts emits
+    an accepted run, so the engine completes its step before planning on it)."""
+    rows, row = {}, 0
+    for c in plan.chunks if plan is not None else ():
+        if c.sample and not c.draft_token_ids:
+            rows[c.seq_id] = row
+        row += c.num_sample_rows
+    return rows
 
 
 def _outputs_before_sample(c: ScheduledChunk) -> Sequence[int]:
     """The output tokens before the one this chunk samples. With async scheduling the live list
     lags by the in-flight tokens; their count is known from the positions, their ids are not."""
-    count = c.start_pos + len(c.token_ids) - len(c.request.prompt_token_ids)
+    count = c.start_pos + len(c.token_ids) - len(c.draft_token_ids) - len(c.request.prompt_token_ids)
     live = c.output_token_ids
     if count == len(live):
         return live

@@ -154,3 +154,17 @@ def test_kv_cache_dtype_flag_reaches_the_engine_config_and_rejects_unknown_names
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_speculative_config_flag_reaches_the_engine_config_and_bad_json_is_named(capsys):
+    assert cli_config("serve").speculative_config is None
+    spec = cli_config("serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}')
+    assert spec.speculative_config.method == "ngram" and spec.speculative_config.num_speculative_tokens == 4
+    for bad, words in (('{"method": "ngram"', "not JSON"), ('{"method": "medusa", "num_speculative_tokens": 2}',
+                                                            "'medusa' is not one of"),
+                       ('{"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}', "not served yet")):
+        assert cli.main(["generate", "--prompt", "x", "--speculative-config", bad]) != 0
+        assert words in capsys.readouterr().err
+    # generate declares a decode bucket that holds the last token and k drafts
+    cfg = commands.generate_engine_config(spec, prompt_len=5, max_tokens=64, model_max_len=4096)
+    assert cfg.resolved_token_buckets() == (1, 5, 8)

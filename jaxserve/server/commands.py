@@ -84,9 +84,13 @@ def generate_engine_config(cfg: EngineConfig, prompt_len: int, max_tokens: int |
         raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {context} exceeds "
                          f"the context limit {limit} (--max-model-len or the model's max_position_embeddings)")
     prefill = min(_power_of_two_at_least(prompt_len), cfg.max_num_batched_tokens or MAX_GENERATE_PREFILL)
+    # with speculative decoding a decode carries up to k drafts: a bucket of 1 + k tokens too
+    spec = cfg.speculative_config
+    decodes = {1, 1 + spec.num_speculative_tokens} if spec is not None else {1}
+    prefill = max(prefill, *decodes)
     max_model_len = min(_power_of_two_at_least(context), limit)
     return dataclasses.replace(cfg, max_num_seqs=1, seq_buckets=(1,), max_num_batched_tokens=prefill,
-                               token_buckets=tuple(sorted({1, prefill})), max_model_len=max_model_len,
+                               token_buckets=tuple(sorted({*decodes, prefill})), max_model_len=max_model_len,
                                num_kv_pages=-(-max_model_len // cfg.page_size))
 
 

@@ -173,7 +173,29 @@ class _EngineCollector(Collector):
             counter("compilations_after_warmup", "XLA compilations after warm-up (should stay 0).",
                     core.runner.compilations_after_warmup),
             self._cache_config(core),
+            *self._spec_decode(core),
         ]
+
+    def _spec_decode(self, core: Any) -> list[Metric]:
+        """vLLM's spec_decode counters, when speculative decoding is configured."""
+        stats = core.scheduler.spec_stats
+        if stats is None:
+            return []
+        labels = [self.model_name]
+        out = []
+        for name, doc, value in (
+                ("spec_decode_num_drafts", "Verified proposals (one per speculating sequence and step).", stats.num_drafts),
+                ("spec_decode_num_draft_tokens", "Proposed draft tokens.", stats.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted by verification.", stats.num_accepted_tokens)):
+            c = CounterMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            out.append(c)
+        per_pos = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position (0 = the first draft).",
+                                      labels=["model_name", "position"])
+        for i, accepted in enumerate(stats.accepted_per_position):
+            per_pos.add_metric([self.model_name, str(i)], accepted)
+        return [*out, per_pos]
 
     def _cache_config(self, core: Any) -> Metric:
         """vLLM's cache_config_info shape: the pool's settings as labels of a constant 1."""

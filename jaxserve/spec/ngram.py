@@ -1,9 +1,10 @@
 """Prompt-lookup (n-gram) proposals from a sequence's own tokens (host, numpy, no jax).
 
 The last n tokens (n from prompt_lookup_max down to prompt_lookup_min, longest first) are looked
-up in the earlier tokens of the same sequence (prompt + output); at the most recent earlier
-occurrence, the k tokens that followed it are the proposal (fewer when the match is near the end).
-No match: no proposal. Work per call is one vectorised comparison per n over the sequence.
+up in the earlier tokens of the same sequence (prompt + output); the k tokens that followed the
+most recent earlier occurrence with k tokens after it are the proposal, or when every occurrence is
+too close to the end, those after the earliest (the most there are: in a repeating run the latest
+occurrence is the suffix shifted by one and would propose a single token). No match: no proposal. Work per call is one vectorised comparison per n over the sequence.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def propose(tokens: Sequence[int] | np.ndarray, k: int, min_n: int, max_n: int) 
         windows = np.lib.stride_tricks.sliding_window_view(seq[:length - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
-            start = hits[-1] + n                     # the token after the latest earlier occurrence
+            starts = hits + n                        # the token after each earlier occurrence
+            full = starts[starts + k <= length]
+            start = full[-1] if len(full) else starts[0]
             return seq[start:start + k].astype(np.int32)
     return np.zeros(0, np.int32)

@@ -1,5 +1,6 @@
-"""Lossless verification of k proposed tokens per row against the target distribution (jnp, jitted
-inside the step once wired in).
+"""Lossless verification of k proposed tokens per row against the target distribution, for proposals
+that come with a draft distribution q (jnp, jittable). One-hot proposals (n-gram lookup) are served
+through accept.py instead: the same rule for q one-hot, with the ordinary sampler.
 
 Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023): proposal i of a row is
 accepted with probability min(1, p_i(d_i) / q_i(d_i)), in order; at the first rejection the row

@@ -61,6 +61,20 @@ class Guide:
         plain = self.tokenizer.greedy_tokenize(self.tokenizer.decode_str([token_id]))
         return bool(plain) and self.matcher.validate_tokens(plain) == len(plain) and self.matcher.consume_tokens(plain)
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar would accept in turn (state unchanged):
+        speculative drafts are cut there."""
+        return 0 if self.failed else self.matcher.validate_tokens(list(token_ids))
+
+    def advanced(self, token_ids: Sequence[int]) -> "Guide":
+        """A copy of this guide past `token_ids` (the state a speculative draft row samples in)."""
+        guide = Guide(self.matcher.deep_copy(), self.tokenizer)
+        guide.failed = self.failed
+        for t in token_ids:
+            if not guide.accept(t):
+                break
+        return guide
+
     @property
     def finished(self) -> bool:
         """The grammar is complete and allows nothing more (or it failed): the sequence stops."""

@@ -12,11 +12,15 @@ def test_the_longest_recurring_suffix_proposes_what_followed_its_latest_occurren
     seq = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 2, 3, 4]
     # suffix [2, 3, 4] occurred at 1 and at 6: the latest (6) was followed by 7, 2, 3
     assert propose(seq, k=3, min_n=1, max_n=3).tolist() == [7, 2, 3]
-    assert propose(seq, k=5, min_n=1, max_n=3).tolist() == [7, 2, 3, 4]     # fewer near the end
+    # 5 tokens do not follow the latest occurrence: the earliest one's are taken
+    assert propose(seq, k=5, min_n=1, max_n=3).tolist() == [5, 9, 2, 3, 4]
+    assert propose([3, 1, 2, 3], k=5, min_n=1, max_n=1).tolist() == [1, 2, 3]    # fewer near the end
     # only shorter n-grams recur: [4] alone matched at 8 -> [2, 3]
     assert propose([8, 4, 2, 3, 6, 6, 4], k=2, min_n=1, max_n=3).tolist() == [2, 3]
     assert propose([8, 4, 2, 3, 6, 6, 4], k=2, min_n=2, max_n=3).tolist() == []  # below min_n: nothing
-    assert propose([5, 5, 5, 5], k=4, min_n=1, max_n=2).tolist() == [5]        # overlapping repeats
+    # a repeating run: the latest occurrence of [5, 5] is followed by one token, the earliest by two
+    assert propose([5, 5, 5, 5], k=4, min_n=1, max_n=2).tolist() == [5, 5]
+    assert propose([5, 5, 5, 5, 5, 5, 5], k=3, min_n=1, max_n=2).tolist() == [5, 5, 5]
     assert propose([1], k=4, min_n=1, max_n=3).tolist() == [] and propose([], k=2, min_n=1, max_n=2).size == 0
 
 

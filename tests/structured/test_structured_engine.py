@@ -199,3 +199,29 @@ def test_a_constraint_too_large_or_too_slow_to_compile_is_refused(llm):
     with pytest.raises(GrammarError, match="took longer than"):
         slow.compile(StructuredOutputs(json=big), field="response_format")
     slow.close()
+
+
+def test_speculation_with_grammars_gives_the_plain_engines_outputs(llm):
+    """n-gram drafts of constrained rows are cut where the grammar refuses them and each draft row
+    samples under the mask of the state after the drafts before it: the outputs (seeded) are the
+    plain engine's. A periodic regex makes prompt lookup propose from the output itself."""
+    spec_llm = LLM(show_progress=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                   max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, token_buckets=(16, 64),
+                   seq_buckets=(16,), num_kv_pages=256, page_size=16)
+    s = StructuredOutputs
+    periodic = ("Repeat", SamplingParams(temperature=1.0, top_k=50, seed=12, max_tokens=40,
+                                         structured_outputs=s(regex='(\\{"a": 1\\}, ){8}')))
+    requests = _mixed() + [periodic, ("x", SamplingParams(temperature=0.0, max_tokens=30, stop=["5"],
+                                                          structured_outputs=s(regex="(1234567)+")))]
+    prompts, params = zip(*requests)
+    expected = llm.generate(list(prompts), list(params))
+    got = spec_llm.generate(list(prompts), list(params))
+    assert _tokens(got) == _tokens(expected)
+    assert [[o.text for o in r.outputs] for r in got] == [[o.text for o in r.outputs] for r in expected]
+    assert got[-1].outputs[0].text == "1234" and got[-1].outputs[0].finish_reason == "stop"
+    stats = spec_llm.core.scheduler.spec_stats
+    before = stats.copy()
+    alone = spec_llm.generate([periodic[0]], periodic[1])
+    assert _tokens(alone) == _tokens(expected[-2:-1])
+    assert stats.since(before).num_accepted_tokens > 0  # the constrained row's drafts were accepted
+    assert spec_llm.core.runner.compilations_after_warmup == 0
