@@ -64,12 +64,24 @@ def declared_buckets(cfg: Any) -> list[tuple[int, int]]:
     return sorted({(t, min(s, t)) for t in token_buckets(cfg) for s in seq_buckets(cfg)})
 
 
-def logits_rows(cfg: Any, tokens: int, rows: int) -> int:
-    """Logits (sampler) rows of the forward bucket (tokens, rows): one per sequence row, or with
-    speculative decoding up to 1 + k per sequence (its drafts are sampled too), never more than the
-    bucket's tokens."""
+def logits_buckets(cfg: Any, tokens: int, rows: int) -> tuple[int, ...]:
+    """Logits (sampler) row counts L declared for the forward bucket (tokens, rows): one per sequence
+    row; with speculative decoding also up to 1 + k per sequence (drafts are sampled too), never
+    more than the bucket's tokens. A step without drafts keeps L = S: the lm_head and the sampler
+    cost grows with L (the sampler's top-p search reads [L, V] 32 times)."""
     spec = getattr(cfg, "speculative_config", None)
-    return rows if spec is None else min(tokens, rows * (1 + spec.num_speculative_tokens))
+    if spec is None:
+        return (rows,)
+    return tuple(sorted({rows, min(tokens, rows * (1 + spec.num_speculative_tokens))}))
+
+
+def choose_logits_rows(cfg: Any, tokens: int, rows: int, num_sample_rows: int) -> int:
+    """The smallest declared L of bucket (tokens, rows) that holds `num_sample_rows`."""
+    fitting = [b for b in logits_buckets(cfg, tokens, rows) if b >= num_sample_rows]
+    if not fitting:
+        raise ValueError(f"{num_sample_rows} sample rows exceed the logits rows of bucket T={tokens} S={rows} "
+                         "(more drafts than speculative_config allows?)")
+    return fitting[0]
 
 
 def choose_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:
@@ -115,7 +127,7 @@ class Program:
     tokens: int = 0    # forward: T
     rows: int = 0      # forward: S sequence rows; sample: its logits rows
     history: int = 0   # sample: H (width of the penalty / bias table)
-    logits: int = 0    # forward: logits rows (S, more with speculative decoding: logits_rows)
+    logits: int = 0    # forward: logits rows L (S; with speculative decoding also more: logits_buckets)
 
     def __post_init__(self) -> None:
         if self.kind == "forward" and not self.logits:
@@ -134,8 +146,9 @@ class Program:
 def serving_programs(engine_cfg: "EngineConfig", model_cfg: "ModelConfig") -> list[Program]:
     """Every program warm-up compiles, in warm-up order (engine_cfg resolved: capacity.py)."""
     buckets = declared_buckets(engine_cfg)
-    rows = sorted({logits_rows(engine_cfg, t, s) for t, s in buckets})
+    forwards = [Program("forward", t, s, logits=l) for t, s in buckets for l in logits_buckets(engine_cfg, t, s)]
+    rows = sorted({p.logits for p in forwards})
     hist = history_buckets(engine_cfg.max_model_len, model_cfg.vocab_size)
-    return ([Program("forward", t, s, logits=logits_rows(engine_cfg, t, s)) for t, s in buckets]
+    return (forwards
             + [Program("sample", rows=s, history=h) for s in rows for h in hist]
             + [Program("copy")])

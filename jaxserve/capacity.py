@@ -157,9 +157,10 @@ def _platform_limits(model: ModelConfig, machine: MachineInfo) -> tuple[int, int
 
 
 def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo, itemsize: int,
-                  model_axis: int = 1) -> Capacity:
+                  model_axis: int = 1, draft: ModelConfig | None = None) -> Capacity:
     """Resolves every unset field of `engine` (see the module docstring). Raises ValueError when
-    the settings cannot fit, naming the setting and the bytes."""
+    the settings cannot fit, naming the setting and the bytes. `draft`: a speculative draft model
+    whose K/V shares the pool's pages (each token costs both models' bytes)."""
     adjustments = []  # limits lowered to what the pool holds
     context = model_context(model)
     max_model_len = engine.max_model_len or context
@@ -171,6 +172,8 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
     max_num_seqs = engine.max_num_seqs or min(seqs, max_num_batched_tokens)
 
     per_token = kv_bytes_per_token(model, itemsize, model_axis, engine.kv_cache_dtype)
+    if draft is not None:
+        per_token += kv_bytes_per_token(draft, itemsize, model_axis, engine.kv_cache_dtype)
     page_bytes = per_token * engine.page_size
     probe = dataclasses.replace(engine, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                 max_num_batched_tokens=max_num_batched_tokens)
@@ -231,7 +234,8 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
                                    max_num_batched_tokens=max_num_batched_tokens, num_kv_pages=int(num_pages),
                                    memory_utilization=utilization)
     buckets = declared_buckets(resolved)
-    num_programs = len(serving_programs(resolved, model))
+    programs = serving_programs(resolved, model)
+    num_programs, num_forwards = len(programs), sum(p.kind == "forward" for p in programs)
     pool_bytes = int(num_pages) * page_bytes
     lines = [
         f"machine: {machine.platform} ({machine.device_kind}), {_gib(machine.memory_per_device)} per device, "
@@ -244,7 +248,7 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
         f"{max_num_batched_tokens} ({'set' if engine.max_num_batched_tokens else why})",
         f"max concurrent tokens {pool_tokens} = {pool_tokens / max_model_len:.1f} full-length sequences",
         f"buckets: tokens {list(resolved.resolved_token_buckets())} x seqs {list(resolved.resolved_seq_buckets())}"
-        f" -> {len(buckets)} forward programs; a step of n >= {buckets[0][0]} tokens pads to <= "
+        f" -> {num_forwards} forward programs{' (with draft rows)' if num_forwards > len(buckets) else ''}; a step of n >= {buckets[0][0]} tokens pads to <= "
         f"{_padding_bound(resolved):.1f} n; "
         f"{num_programs} programs in all",
         *adjustments,

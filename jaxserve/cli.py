@@ -90,8 +90,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON shape, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (prompt lookup: drafts copied from '
-                   'the sequence\'s own earlier tokens, verified losslessly in the step); optional '
-                   '"disable_by_batch_size": N turns it off while more than N sequences run (default: off)')
+                   'the sequence\'s own earlier tokens) or \'{"method": "draft_model", "model": DIR, '
+                   '"num_speculative_tokens": 4}\' (a smaller model with the same tokenizer proposes); drafts are '
+                   'verified losslessly in the step; optional "disable_by_batch_size": N turns it off while more '
+                   'than N sequences run (default: off)')
 
 
 def _quantization_arg(g: "argparse._ActionsContainer") -> None:

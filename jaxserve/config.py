@@ -271,9 +271,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if self.speculative_config is not None and self.speculative_config.method != "ngram":
-            raise ValueError(f"--speculative-config method {self.speculative_config.method!r} is not served yet; "
-                             "the served method is 'ngram' (prompt lookup)")
+        if self.speculative_config is not None and self.speculative_config.method == "eagle3":
+            raise ValueError("--speculative-config method 'eagle3' is not served yet; the served methods are "
+                             "'ngram' (prompt lookup) and 'draft_model'")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_pages",
                      "kv_cache_memory"):
             value = getattr(self, name)

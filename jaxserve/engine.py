@@ -71,9 +71,16 @@ class _InFlight:
 
 class EngineCore:
     def __init__(self, model_cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh,
-                 dtype: Any = jnp.float32) -> None:
+                 dtype: Any = jnp.float32, draft: tuple[ModelConfig, Weights] | None = None) -> None:
+        """draft: the draft model's (config, weights) for speculative method draft_model; loaded from
+        the config's model directory when not given."""
         self.model_cfg = model_cfg
-        self.runner = ModelRunner(model_cfg, weights, engine_cfg, mesh, dtype)
+        spec = engine_cfg.speculative_config
+        if spec is not None and spec.method == "draft_model" and draft is None:
+            from checkpoints import load_model
+
+            draft = load_model(spec.model, mesh, dtype, engine_cfg.quantization)
+        self.runner = ModelRunner(model_cfg, weights, engine_cfg, mesh, dtype, draft)
         self.engine_cfg = engine_cfg = self.runner.engine_cfg  # every size resolved
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
                                        engine_cfg.enable_prefix_caching)
@@ -159,8 +166,11 @@ class EngineCore:
         return events
 
     def _schedule(self) -> StepPlan:
+        """The next plan; draft-model slots are filled here (a proposal runs the draft on the device)."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        if self.runner.draft is not None and plan.has_drafts:
+            self.scheduler.set_drafts(plan, self.runner.propose(plan))
         self.timings.schedule += time.perf_counter() - t0
         return plan
 

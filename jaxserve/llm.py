@@ -28,7 +28,7 @@ from jaxserve.request import FinishReason, Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding import make_mesh
 from jaxserve.structured.compiler import GrammarCompiler
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenizer import Tokenizer, check_same_vocabulary
 
 logger = logging.getLogger("jaxserve")
 
@@ -70,6 +70,9 @@ def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
     """Model dir (None: the embedded default) -> (warmed-up EngineCore, tokenizer, resolved dir).
     `tokenizer`: the model's tokenizer when the caller has loaded it already."""
     model_dir = model_dir_of(model)
+    spec = engine_cfg.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        check_same_vocabulary(model_dir, resolve_model_dir(spec.model))
     enable_compilation_cache(engine_cfg.compilation_cache_dir)
     dtype = resolve_dtype(engine_cfg.dtype, ModelConfig.from_hf(model_dir).dtype)
     mesh = make_mesh(*engine_cfg.mesh_shape)

@@ -39,6 +39,8 @@ from jaxserve.buckets import Program, serving_programs
 from jaxserve.programs import (copy_step, copy_width, dummy_arrays, dummy_sampling, forward_step, kv_dtype,
                                lower_program, rows_width, sample_step)
 from jaxserve.sampler import SamplerOutput, SamplingTensors, bitmask_words
+from jaxserve.draft_runner import DraftRunner, check_compatible
+from jaxserve.scheduler import StepPlan
 from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs
 
 logger = logging.getLogger("jaxserve.model_runner")
@@ -72,7 +74,8 @@ class CompileCounter:
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh,
-                 dtype: Any = jnp.float32) -> None:
+                 dtype: Any = jnp.float32, draft: tuple[ModelConfig, Weights] | None = None) -> None:
+        """draft: the speculative draft model's (config, weights) for method draft_model."""
         CompileCounter.install()
         # A model axis wider than the KV head count holds one duplicated KV head per device.
         kv_heads = model_cfg.num_kv_heads
@@ -86,8 +89,11 @@ class ModelRunner:
         self.dtype = jnp.dtype(dtype)
         # Unset sizes (pool, batch limits, context, buckets) come from the machine and the model.
         machine = machine_info(mesh)
+        if draft is not None:
+            check_compatible(model_cfg, draft[0])
+            draft = duplicate_kv_heads(*draft, mesh)
         self.capacity = plan_capacity(engine_cfg, model_cfg, machine, self.dtype.itemsize,
-                                      mesh.shape[sharding.MODEL_AXIS])
+                                      mesh.shape[sharding.MODEL_AXIS], draft=draft[0] if draft else None)
         for line in self.capacity.lines:
             logger.info("%s", line)
         self.engine_cfg = engine_cfg = self.capacity.engine
@@ -105,6 +111,7 @@ class ModelRunner:
         # [rows_width] int32: the last dispatched step's sampled ids, on the device
         self._prev_ids = self._put(np.zeros(self._rows_width, np.int32))
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> [rows, W] int32 all-ones bitmask
+        self.draft = DraftRunner(*draft, engine_cfg, mesh, self.dtype, self._put) if draft is not None else None
         self.warmed_up = False
         self.compilations_after_warmup = 0
 
@@ -118,11 +125,33 @@ class ModelRunner:
         no host sync). A step is `forward` then `sample`, then `fetch` for numpy: split so that a
         step with grammar-constrained rows can run its forward while the host computes their masks."""
         before = CompileCounter.count()
-        if len(inputs.copies):
-            self.kv = copy_step(self.kv, *self._put(self._pad_copies(inputs.copies)))
+        self._copy_pages(inputs.copies)
         logits, self.kv = self._forward(inputs.arrays)
+        if self.draft is not None:
+            self.draft.fill(inputs.arrays, self._prev_ids)
         self._count_compilations(before, inputs)
         return logits
+
+    def _copy_pages(self, copies: np.ndarray) -> None:
+        if len(copies):
+            src, dst = self._put(self._pad_copies(copies))
+            self.kv = copy_step(self.kv, src, dst)
+            if self.draft is not None:
+                self.draft.copy_pages(copy_step, src, dst)
+
+    def propose(self, plan: StepPlan) -> list[list[int]]:
+        """Draft-model proposals for the plan's chunks with draft slots (in plan order). Applies the
+        plan's page copies first (a draft writes into the copied pages) and clears them."""
+        before = CompileCounter.count()
+        self._copy_pages(np.asarray(plan.copies, np.int32).reshape(-1, 2))
+        plan.copies = []
+        chunks = [c for c in plan.chunks if c.draft_token_ids]
+        out = self.draft.propose(chunks, [len(c.draft_token_ids) for c in chunks])
+        if self.warmed_up and CompileCounter.count() != before:
+            new = CompileCounter.count() - before
+            self.compilations_after_warmup += new
+            logger.error("%d compilation(s) after warm-up in a draft proposal of %d sequences", new, len(chunks))
+        return out
 
     def sample(self, logits: jax.Array, inputs: StepInputs, bitmask: np.ndarray | None = None) -> SamplerOutput:
         """Dispatches the sampler over `forward`'s logits. bitmask: [S, W] int32 allowed-token bits
@@ -207,6 +236,8 @@ class ModelRunner:
                 jax.block_until_ready(self.kv.k[0])
             if progress:
                 progress(done, len(programs), p.name)
+        if self.draft is not None:
+            logger.info("draft model: %d programs warmed up", self.draft.warmup(self._prev_ids))
         self.warmed_up = True
         seconds = time.perf_counter() - start
         logger.info("warm-up compiled %d programs in %.1fs", len(programs), seconds)

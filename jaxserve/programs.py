@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxserve import kv_cache, sharding
-from jaxserve.buckets import Program, declared_buckets, logits_rows
+from jaxserve.buckets import Program, declared_buckets, logits_buckets
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model import weights as weights_mod
 from jaxserve.model.paged import forward_paged
@@ -59,7 +59,7 @@ copy_step = jax.jit(kv_cache.copy_pages, donate_argnums=(0,))
 
 def rows_width(engine_cfg: EngineConfig) -> int:
     """Length of the device buffer of last-step sampled ids: the most logits rows of any bucket."""
-    return max(logits_rows(engine_cfg, t, s) for t, s in declared_buckets(engine_cfg))
+    return max(max(logits_buckets(engine_cfg, t, s)) for t, s in declared_buckets(engine_cfg))
 
 
 def dummy_arrays(program: Program, max_pages: int, pad_slot: int) -> StepArrays:

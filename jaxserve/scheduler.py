@@ -57,6 +57,7 @@ from jaxserve.spec.stats import SpecDecodeStats
 logger = logging.getLogger("jaxserve.scheduler")
 
 PENDING_TOKEN = -1  # in ScheduledChunk.token_ids: the in-flight token sampled by the previous step
+DRAFT_SLOT = -2     # in ScheduledChunk.draft_token_ids: a draft the draft model proposes before the step
 
 _CONFIG_FIELDS = ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                   "enable_prefix_caching", "scheduling_policy", "model_id")
@@ -467,11 +468,30 @@ class Scheduler:
         k = min(spec.num_speculative_tokens, st.budget - 1, seq.max_len - seq.num_tokens - 1)
         if k <= 0:
             return []
+        if spec.method == "draft_model":
+            return [DRAFT_SLOT] * k  # filled by set_drafts() once the draft model has run
         drafts = ngram.propose(seq.token_slice(0, seq.num_tokens), k, spec.prompt_lookup_min,
                                spec.prompt_lookup_max).tolist()
         if drafts and seq.guide is not None:
             drafts = drafts[:seq.guide.valid_prefix(drafts)]
         return drafts
+
+    def set_drafts(self, plan: StepPlan, proposals: list[list[int]]) -> None:
+        """Fills the DRAFT_SLOTs of the plan's chunks (in plan order) with the draft model's
+        proposals, cut where a grammar refuses one; slots left over stop being computed."""
+        chunks = [c for c in plan.chunks if c.draft_token_ids]
+        if len(chunks) != len(proposals):
+            raise ValueError(f"{len(proposals)} proposals for {len(chunks)} chunks with draft slots")
+        for chunk, drafts in zip(chunks, proposals):
+            seq = plan.owners[chunk.seq_id]
+            slots = len(chunk.draft_token_ids)
+            drafts = list(drafts[:slots])
+            if drafts and seq.guide is not None:
+                drafts = drafts[:seq.guide.valid_prefix(drafts)]
+            chunk.token_ids = chunk.token_ids[:len(chunk.token_ids) - slots] + drafts
+            chunk.draft_token_ids = drafts
+            seq.num_computed_tokens -= slots - len(drafts)
+            plan.num_tokens -= slots - len(drafts)
 
     def _tokens_that_fit(self, seq_id: str, start: int, length: int) -> int:
         """Largest m <= length whose growth fits in the free pages (0 if none); pages_to_grow is

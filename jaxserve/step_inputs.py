@@ -3,7 +3,7 @@
 A step is one flat ragged batch: `T` token rows (a bucket >= the plan's tokens), `S` sequence rows
 (a bucket >= the plan's chunks); the rows that sample are gathered before the lm_head: at most one
 per sequence, so S of them, or with speculative decoding 1 + d per sequence with d drafts
-(`buckets.logits_rows`: L = min(T, S (1 + k))). A draft row samples as if its drafts before it had
+(`buckets.logits_buckets`: L = S, or min(T, S (1 + k)) for a step with drafts). A draft row samples as if its drafts before it had
 been emitted: its output count (seed key, min_tokens), penalty table and grammar state include them. Buckets are declared by the
 engine config as (T, S) pairs with S <= T and T <= max_num_batched_tokens, so padding never exceeds
 the step's token budget. Padding rows write to the out-of-bounds slot (dropped) and belong to no
@@ -22,7 +22,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from jaxserve.buckets import choose_bucket, declared_buckets, logits_rows
+from jaxserve.buckets import choose_bucket, choose_logits_rows, declared_buckets
 from jaxserve.config import EngineConfig
 from jaxserve.sampler import SamplingRow, SamplingTensors, bitmask_words
 from jaxserve.sampling_params import SamplingParams
@@ -68,10 +68,7 @@ class StepInputBuilder:
         pending token has no row there, or belongs to a row that needs output ids (penalties)."""
         chunks = plan.chunks
         t_bucket, s_bucket = choose_bucket(self.buckets, plan.num_tokens, len(chunks))
-        l_bucket = logits_rows(self.cfg, t_bucket, s_bucket)
-        if plan.num_samples > l_bucket:
-            raise ValueError(f"{plan.num_samples} sample rows exceed the {l_bucket} logits rows of bucket "
-                             f"T={t_bucket} S={s_bucket} (more drafts than speculative_config allows?)")
+        l_bucket = choose_logits_rows(self.cfg, t_bucket, s_bucket, plan.num_samples)
         ps = self.cfg.page_size
         token_ids = np.zeros(t_bucket, np.int32)
         positions = np.zeros(t_bucket, np.int32)

@@ -172,3 +172,27 @@ def _content_text(content: Any, i: int, allow_none: bool) -> str | None:
             parts.append(part["text"])
         return "".join(parts)
     raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def check_same_vocabulary(target_dir: Path, draft_dir: Path) -> None:
+    """Raises ValueError when both directories carry a tokenizer.json whose token -> id maps
+    differ (a speculative draft's ids must mean the target's tokens). Directories without one
+    (orbax-converted weights without tokenizer files) are left to the vocab-size check."""
+    files = [Path(d) / "tokenizer.json" for d in (target_dir, draft_dir)]
+    if not all(f.is_file() for f in files):
+        return
+    target, draft = (_token_ids(json.loads(f.read_text(encoding="utf-8"))) for f in files)
+    if target != draft:
+        differ = sorted(set(target.items()) ^ set(draft.items()), key=lambda kv: kv[1])[:3]
+        raise ValueError(f"--speculative-config draft model {draft_dir} has another vocabulary than the target "
+                         f"{target_dir} ({len(draft)} vs {len(target)} tokens; e.g. {differ}): a draft must use the "
+                         "target's tokenizer")
+
+
+def _token_ids(spec: dict) -> dict[str, int]:
+    """token -> id of a tokenizer.json: the model's vocabulary (a map, or Unigram's [piece, score]
+    list) and the added tokens."""
+    vocab = spec.get("model", {}).get("vocab") or {}
+    ids = dict(vocab) if isinstance(vocab, dict) else {piece: i for i, (piece, _) in enumerate(vocab)}
+    ids.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
+    return ids

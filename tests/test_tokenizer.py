@@ -1,6 +1,7 @@
 """Tokenizer wrapper over the real Qwen vocabulary of `jaxserve-tiny`."""
 
 import copy
+from pathlib import Path
 
 import pytest
 
@@ -159,3 +160,27 @@ def test_missing_model_dir_and_bad_text_raise(tmp_path, tok):
         Tokenizer.from_pretrained(tmp_path / "nope")
     with pytest.raises(ValueError, match="must be a str"):
         tok.encode(b"bytes")
+
+
+def test_a_draft_with_another_vocabulary_is_named_and_the_same_one_passes(tmp_path):
+    """Speculative draft_model check (llm.load_engine_core): the real Qwen vocabulary against itself
+    passes; one token renamed, or an added token moved, is an error naming both directories."""
+    import json
+
+    from jaxserve.default_model import ensure_default_model
+    from jaxserve.tokenizer import check_same_vocabulary
+
+    qwen = Path(ensure_default_model())
+    check_same_vocabulary(qwen, qwen)
+    spec = json.loads((qwen / "tokenizer.json").read_text())
+    renamed = json.loads(json.dumps(spec))
+    renamed["model"]["vocab"]["hello!"] = renamed["model"]["vocab"].pop("hello")
+    moved = json.loads(json.dumps(spec))
+    moved["added_tokens"][0]["id"] += 1
+    for i, variant in enumerate((renamed, moved)):
+        d = tmp_path / str(i)
+        d.mkdir()
+        (d / "tokenizer.json").write_text(json.dumps(variant))
+        with pytest.raises(ValueError, match=f"draft model {d} has another vocabulary than the target {qwen}"):
+            check_same_vocabulary(qwen, d)
+    check_same_vocabulary(qwen, tmp_path)  # no tokenizer.json there: left to the vocab-size check

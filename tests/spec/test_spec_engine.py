@@ -102,3 +102,75 @@ def test_preemption_and_prefix_hits_on_pages_written_next_to_rejected_drafts(cor
     assert spec.stats().prefix_cache_hits - hits >= 3 * 16  # past the 14-token prompts: output pages
     assert spec.runner.compilations_after_warmup == 0
     spec.allocator.check_invariants()
+
+
+# ---- draft_model: a second model proposes, greedily, on its own K/V in the same pages ----------
+
+def _draft_spec(path) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+
+
+def _greedy_only(tag: str) -> list[Request]:
+    return [r for r in _greedy_mix(tag) if r.request_id != f"{tag}long"] + [
+        Request(f"{tag}long", list(range(3, 60)), greedy(12))]
+
+
+def test_draft_model_equal_to_the_target_is_always_accepted_and_changes_nothing(tmp_path):
+    """The target as its own draft (loaded from its directory, as a user names it): every greedy
+    draft is the target's argmax, so all are accepted (except past max_tokens)."""
+    from hf_models import make_hf_model
+
+    path, _ = make_hf_model("llama3-gqa-tied", tmp_path, seed=5)
+    cfg, weights, _ = tiny_model(tmp_path / "same", "llama3-gqa-tied", seed=5)
+    plain = make_core(cfg, weights)
+    spec = make_core(cfg, weights, speculative_config=_draft_spec(path))
+    expected = run_all(plain, _greedy_only("d"))
+    assert run_all(spec, _greedy_only("d")) == expected
+    stats = spec.scheduler.spec_stats
+    assert stats.num_draft_tokens > 50 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert spec.runner.compilations_after_warmup == 0
+
+
+@pytest.fixture(scope="module")
+def draft_core(tmp_path_factory, cores):
+    """The module's qwen3 target with a different random qwen3 as its draft."""
+    from engine_utils import SMALL_ENGINE
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import EngineCore
+    from jaxserve.sharding import make_mesh
+
+    target = cores[0]
+    draft = tiny_model(tmp_path_factory.mktemp("draft"), "qwen3-untied", seed=3)[:2]
+    cfg = EngineConfig(**SMALL_ENGINE, speculative_config=_draft_spec("unused"))
+    core = EngineCore(target.model_cfg, target.runner.weights, cfg, make_mesh(1, 1), draft=draft)
+    core.runner.warmup()
+    return core
+
+
+def test_a_different_draft_model_is_often_rejected_and_changes_nothing(cores, draft_core):
+    plain, _ = cores
+    stats = draft_core.scheduler.spec_stats
+    before = stats.copy()
+    assert _events(draft_core, _sampled_mix("x")) == _events(plain, _sampled_mix("x"))
+    batch = [Request(f"q{i}", _repetitive(i % 6) + [i], greedy(44)) for i in range(8)]   # preempts
+    pre = draft_core.stats().num_preemptions
+    assert run_all(draft_core, batch) == run_all(plain, [Request(r.request_id, r.prompt_token_ids, r.params)
+                                                         for r in batch])
+    assert draft_core.stats().num_preemptions > pre
+    got = stats.since(before)
+    assert 0 < got.num_accepted_tokens < 0.8 * got.num_draft_tokens
+    assert draft_core.runner.compilations_after_warmup == 0
+    draft_core.allocator.check_invariants()
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path, cores):
+    from engine_utils import SMALL_ENGINE
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import EngineCore
+    from jaxserve.sharding import make_mesh
+
+    target = cores[0]
+    other = tiny_model(tmp_path, "qwen3-qknorm", seed=1, vocab_size=128)[:2]
+    cfg = EngineConfig(**SMALL_ENGINE, speculative_config=_draft_spec("unused"))
+    with pytest.raises(ValueError, match="vocab_size 128, the target 96"):
+        EngineCore(target.model_cfg, target.runner.weights, cfg, make_mesh(1, 1), draft=other)

@@ -195,3 +195,24 @@ def test_a_speculating_sequence_is_not_planned_again_before_its_update():
     first = s.schedule()
     assert first.has_drafts
     assert s.schedule().chunks == []                      # async planning ahead finds nothing to run
+
+
+def test_draft_model_slots_are_planned_then_filled_and_cut_by_the_grammar():
+    s = make(spec={"method": "draft_model", "model": "unused", "num_speculative_tokens": 3})
+    s.add(req("free", PATTERN * 2 + [11]))
+    s.add(dataclasses.replace(req("g", PATTERN * 2 + [11]), grammar=_Grammar()))
+    plan = s.schedule()
+    s.update(plan, sampled_rows(plan, lambda seq_id, pos: 12))
+    plan = s.schedule()
+    assert all(len(c.draft_token_ids) == 3 and c.token_ids[1:] == c.draft_token_ids for c in plan.chunks)
+    computed = {c.seq_id: plan.owners[c.seq_id].num_computed_tokens for c in plan.chunks}
+    tokens = plan.num_tokens
+    s.set_drafts(plan, [[12, 11, 13], [12, 11, 13]])        # the grammar refuses 13 for "g"
+    free, g = sorted(plan.chunks, key=lambda c: c.seq_id)
+    assert free.draft_token_ids == [12, 11, 13] and free.token_ids == [12, 12, 11, 13]
+    assert g.draft_token_ids == [12, 11] and g.token_ids == [12, 12, 11]
+    assert plan.num_tokens == tokens - 1 and plan.owners["g#0"].num_computed_tokens == computed["g#0"] - 1
+    events = s.update(plan, sampled_rows(plan, lambda seq_id, pos: {12: 12, 13: 11}.get(pos, 12)))
+    assert [e.token_id for e in events if e.request_id == "g"] == [12, 11, 12]   # both drafts accepted
+    with pytest.raises(ValueError, match="proposals for"):
+        s.set_drafts(s.schedule(), [])

@@ -1,0 +1,138 @@
+"""The draft model of speculative decoding (`{"method": "draft_model", "model": DIR}`): its weights,
+its KV pages and its programs. Owned by the ModelRunner; device state like it.
+
+The draft's pool has the target's page count and page size, so one page table addresses both: a
+sequence's pages hold the target's K/V and the draft's for the same positions, the allocator and
+the prefix cache need no second bookkeeping, and the pool budget counts both models' bytes per
+token (capacity.plan_capacity).
+
+Per engine step:
+  propose(chunks)  before the step, for each decode chunk with draft slots: the chunk's last known
+                   token at its position, then the draft's own argmax fed back on the device, one
+                   token per sequence per draft forward, k forwards batched across sequences;
+                   the ids come back to the host once.
+  fill(arrays)     with the target's forward, over the same step arrays: the draft's K/V for every
+                   token the target computes (prefill chunks, decodes, drafts), no lm_head.
+Rejected drafts' K/V lies past the sequence's length in both pools and is overwritten later, so the
+draft's K/V always mirrors the target's verified tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxserve import kv_cache
+from jaxserve.buckets import Program, choose_bucket, declared_buckets
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.model.attention import make_attention
+from jaxserve.model.weights import Weights
+from jaxserve.packing import pack
+from jaxserve.programs import dummy_arrays, forward_step, kv_dtype, rows_width
+from jaxserve.sampler import argmax_rows
+from jaxserve.scheduler import ScheduledChunk
+from jaxserve.step_inputs import StepArrays
+
+
+def _argmax_padded(logits: jax.Array, vocab_size: int, width: int) -> jax.Array:
+    """[S, Vp] logits -> [width] int32 argmax ids of the real vocabulary, zero-padded."""
+    ids = argmax_rows(logits[:, :vocab_size].astype(jnp.float32))
+    return jnp.pad(ids, (0, width - ids.shape[0]))
+
+
+_argmax_step = jax.jit(_argmax_padded, static_argnames=("vocab_size", "width"))
+
+
+def check_compatible(target: ModelConfig, draft: ModelConfig) -> None:
+    """A draft must speak the target's vocabulary: its ids are the target's proposals."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"--speculative-config draft model has vocab_size {draft.vocab_size}, the target "
+                         f"{target.vocab_size}: a draft must use the target's tokenizer")
+
+
+class DraftRunner:
+    def __init__(self, cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh, dtype: Any,
+                 put: Any) -> None:
+        self.cfg = cfg
+        self.weights = weights
+        self.engine_cfg = engine_cfg
+        self.k = engine_cfg.speculative_config.num_speculative_tokens
+        self.kv = kv_cache.allocate(cfg, engine_cfg.num_kv_pages, engine_cfg.page_size,
+                                    kv_dtype(engine_cfg, dtype), mesh)
+        self._attention = make_attention(engine_cfg.attention_backend, cfg, mesh)
+        self._put = put
+        self._buckets = declared_buckets(engine_cfg)
+        self._width = rows_width(engine_cfg)  # the target's prev_ids length: fill passes its buffer
+        self._pad_slot = engine_cfg.num_kv_pages * engine_cfg.page_size
+        self._zeros = put(np.zeros(self._width, np.int32))
+
+    def _forward(self, arrays: StepArrays, prev_ids: jax.Array) -> jax.Array:
+        packed, spec = pack(arrays)
+        logits, self.kv = forward_step(self.weights, kv=self.kv, packed=self._put(packed), spec=spec, cfg=self.cfg,
+                                       attention_fn=self._attention, prev_ids=prev_ids)
+        return logits
+
+    def fill(self, arrays: StepArrays, prev_ids: jax.Array) -> None:
+        """The draft's K/V for the target step's tokens (same slots, same in-flight ids)."""
+        self._forward(arrays._replace(logits_index=np.zeros(0, np.int32)), prev_ids)
+
+    def copy_pages(self, copy_fn: Any, src: jax.Array, dst: jax.Array) -> None:
+        self.kv = copy_fn(self.kv, src, dst)
+
+    def propose(self, chunks: Sequence[ScheduledChunk], num_drafts: Sequence[int]) -> list[list[int]]:
+        """Greedy drafts for decode chunks (token_ids[0] known, at start_pos): num_drafts[i] ids each."""
+        n = len(chunks)
+        steps = max(num_drafts)
+        t, s = choose_bucket(self._buckets, n, n)
+        ps = self.engine_cfg.page_size
+        tables = np.zeros((s, self.engine_cfg.max_pages_per_seq), np.int32)
+        starts = np.zeros(n, np.int32)
+        for i, c in enumerate(chunks):
+            tables[i, :len(c.page_table)] = c.page_table
+            starts[i] = c.start_pos
+        rows = np.arange(n, dtype=np.int32)
+        prev = self._zeros
+        drafted = []
+        for j in range(steps):
+            pos = starts + j
+            token_ids = np.zeros(t, np.int32)
+            positions = np.zeros(t, np.int32)
+            token_seq = np.zeros(t, np.int32)
+            slots = np.full(t, self._pad_slot, np.int32)
+            prev_row = np.full(t, -1, np.int32)
+            seq_lens = np.zeros(s, np.int32)
+            cu = np.zeros(s + 1, np.int32)
+            logits_index = np.zeros(s, np.int32)
+            if j == 0:
+                token_ids[:n] = [c.token_ids[0] for c in chunks]
+            else:
+                prev_row[:n] = rows                          # the previous draft forward's argmax
+            positions[:n] = pos
+            token_seq[:n] = rows
+            slots[:n] = tables[rows, pos // ps] * ps + pos % ps
+            seq_lens[:n] = pos + 1
+            cu[1:n + 1] = rows + 1
+            cu[n + 1:] = n
+            logits_index[:n] = rows
+            arrays = StepArrays(token_ids, positions, token_seq, slots, cu, seq_lens, tables,
+                                np.array([n], np.int32), logits_index, prev_row)
+            prev = _argmax_step(self._forward(arrays, prev), vocab_size=self.cfg.vocab_size, width=self._width)
+            drafted.append(prev)
+        ids = np.stack(jax.device_get(drafted))                             # [steps, width]
+        return [ids[:d, i].tolist() for i, d in enumerate(num_drafts)]
+
+    def warmup(self, prev_ids: jax.Array) -> int:
+        """Compiles and runs, per forward bucket, the fill (no logits) and the proposal forward with
+        its argmax; returns how many programs that was."""
+        max_pages = self.engine_cfg.max_pages_per_seq
+        for t, s in self._buckets:
+            arrays = dummy_arrays(Program("forward", t, s), max_pages, self._pad_slot)
+            self.fill(arrays, prev_ids)
+            logits = self._forward(arrays, prev_ids)
+            jax.block_until_ready(_argmax_step(logits, vocab_size=self.cfg.vocab_size, width=self._width))
+        return 3 * len(self._buckets)
+
