@@ -79,6 +79,10 @@ class Sequence:
     # (they are still on the device). The next decode can run on them through a placeholder.
     num_inflight: int = 0
     guide: "Guide | None" = None       # its grammar state (structured output), advanced per token
+    # Speculative decoding: consecutive fruitless proposals (none found, or every draft rejected), and
+    # the scheduler step from which it proposes again (it backs off after repeated misses).
+    draft_misses: int = 0
+    draft_resume_step: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -33,8 +33,10 @@ token is known (nothing in flight) may carry d <= k draft tokens after it, d + 1
 d + 1 rows sampled in the same step (spec/accept.py verifies them: the rows sampled as without
 speculation, the drafts accepted while they match). Drafts need budget and free pages (a step never
 preempts for them) and stop short of max_len; a constrained sequence's drafts are cut at the first
-token its grammar refuses. `update()` emits the accepted run token by token with the usual stop
-checks and rolls `num_computed_tokens` back over the rejected drafts: their K/V stays in the pages
+token its grammar refuses. A sequence whose proposals keep missing (none found, or every draft
+rejected, MISSES_BEFORE_BACKOFF times in a row) stops proposing for 1, 2, 4, .. MAX_BACKOFF_STEPS
+steps, so text that does not repeat costs neither draft rows nor synchronous steps. `update()` emits
+the accepted run token by token with the usual stop checks and rolls `num_computed_tokens` back over the rejected drafts: their K/V stays in the pages
 as garbage past the sequence's length, overwritten by later steps, and never committed to the
 prefix cache (commits cover known tokens only). A speculating sequence is not planned again until
 its step is updated (its computed count runs ahead of its known tokens), so the engine completes a
@@ -57,6 +59,8 @@ from jaxserve.spec.stats import SpecDecodeStats
 logger = logging.getLogger("jaxserve.scheduler")
 
 PENDING_TOKEN = -1  # in ScheduledChunk.token_ids: the in-flight token sampled by the previous step
+MISSES_BEFORE_BACKOFF = 2  # fruitless proposals in a row before a sequence stops proposing for a while
+MAX_BACKOFF_STEPS = 16
 DRAFT_SLOT = -2     # in ScheduledChunk.draft_token_ids: a draft the draft model proposes before the step
 
 _CONFIG_FIELDS = ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -174,6 +178,7 @@ class Scheduler:
         self.num_discarded_tokens = 0  # sampled after their sequence had finished (async scheduling)
         self._outstanding = 0  # plans with chunks scheduled and not yet updated
         self._spec = getattr(cfg, "speculative_config", None)
+        self._num_steps = 0  # schedule() calls (draft back-off is counted in them)
         self.spec_stats = SpecDecodeStats(self._spec.num_speculative_tokens) if self._spec is not None else None
 
     # ---- entry points (any thread) -------------------------------------------------------------
@@ -241,6 +246,7 @@ class Scheduler:
             raise RuntimeError(f"{self._outstanding} plans await update(); async scheduling plans one "
                                "step ahead at most")
         st = _Step(StepPlan(), self.config.max_num_batched_tokens)
+        self._num_steps += 1
         with self._lock:
             incoming, self._incoming = self._incoming, []
             removals, self._removals = self._removals, []
@@ -312,6 +318,7 @@ class Scheduler:
             accepted = num_accepted(drafts, [t.token_id for t in toks]) if toks else 0
             if drafts:
                 self.spec_stats.record(len(drafts), accepted)
+                self._draft_outcome(seq, hit=accepted > 0)
                 if seq.status is SequenceStatus.RUNNING:
                     seq.num_computed_tokens -= len(drafts) - accepted  # rejected drafts' K/V is garbage now
             if seq.status is SequenceStatus.FINISHED:
@@ -335,9 +342,22 @@ class Scheduler:
         return events
 
     def speculation_active(self) -> bool:
-        """Whether the next step's decodes may carry drafts (configured, and the running batch is
-        within disable_by_batch_size)."""
-        return self._spec is not None and self._spec.active(len(self._running))
+        """Whether the next step's decodes may carry drafts: configured, the running batch within
+        disable_by_batch_size, and some running sequence not backing off."""
+        if self._spec is None or not self._spec.active(len(self._running)):
+            return False
+        return any(seq.draft_resume_step <= self._num_steps + 1 for seq in self._running)
+
+    def _draft_outcome(self, seq: Sequence, hit: bool) -> None:
+        """Back-off bookkeeping: a hit (a draft accepted) resets it; each miss after
+        MISSES_BEFORE_BACKOFF - 1 of them doubles the steps without proposals (up to MAX_BACKOFF_STEPS)."""
+        if hit:
+            seq.draft_misses = 0
+            return
+        seq.draft_misses += 1
+        if seq.draft_misses >= MISSES_BEFORE_BACKOFF:
+            pause = min(1 << (seq.draft_misses - MISSES_BEFORE_BACKOFF), MAX_BACKOFF_STEPS)
+            seq.draft_resume_step = self._num_steps + 1 + pause
 
     # ---- admission and limits ------------------------------------------------------------------
 
@@ -465,6 +485,8 @@ class Scheduler:
         spec = self._spec
         if seq.num_inflight or seq.pending_siblings or seq.num_computed_tokens != seq.num_tokens - 1:
             return []  # the last token must be known (async: the previous step finished)
+        if self._num_steps < seq.draft_resume_step:
+            return []  # backing off after fruitless proposals
         k = min(spec.num_speculative_tokens, st.budget - 1, seq.max_len - seq.num_tokens - 1)
         if k <= 0:
             return []
@@ -474,6 +496,8 @@ class Scheduler:
                                spec.prompt_lookup_max).tolist()
         if drafts and seq.guide is not None:
             drafts = drafts[:seq.guide.valid_prefix(drafts)]
+        if not drafts:
+            self._draft_outcome(seq, hit=False)
         return drafts
 
     def set_drafts(self, plan: StepPlan, proposals: list[list[int]]) -> None:

@@ -60,3 +60,23 @@ def test_widest_sampler_fits_in_small_temporaries_on_tpu():
                              make_attention("auto", cfg, mesh)).compile()
     logits_bytes = 256 * 151936 * 4
     assert compiled.memory_analysis().temp_size_in_bytes < 6 * logits_bytes  # 0.9 GiB; flat packing: 4 GiB
+
+
+def test_speculative_draft_row_programs_compile_for_tpu():
+    """With speculative decoding a forward bucket also declares L = min(T, S (1 + k)) logits rows
+    (every draft is sampled): those forwards and their samplers compile for a v6e-4 with TP=4."""
+    import dataclasses
+
+    cfg = ModelConfig.from_hf(FAMILIES["qwen3"])
+    engine = dataclasses.replace(ENGINE, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    devices = parse_target("tpu-v6e:2x2").devices()
+    layout = make_layout("tp", len(devices), 4)
+    mesh = make_mesh(1, layout.tp, devices)
+    attention = make_attention("auto", cfg, mesh, layout.rules)
+    plain_rows = {p.rows for p in serving_programs(ENGINE, cfg) if p.kind == "sample"}
+    extra = [p for p in serving_programs(engine, cfg)
+             if (p.kind == "forward" and p.logits != p.rows) or (p.kind == "sample" and p.rows not in plain_rows)]
+    assert {p.logits for p in extra if p.kind == "forward"} == {16, 32}  # (16, 4) -> 16, (32, 8) -> 32
+    for program in extra:
+        compiled = lower_program(program, cfg, engine, mesh, "bfloat16", attention, layout.rules).compile()
+        assert compiled.memory_analysis() is not None, program.name

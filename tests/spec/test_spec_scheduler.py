@@ -216,3 +216,21 @@ def test_draft_model_slots_are_planned_then_filled_and_cut_by_the_grammar():
     assert [e.token_id for e in events if e.request_id == "g"] == [12, 11, 12]   # both drafts accepted
     with pytest.raises(ValueError, match="proposals for"):
         s.set_drafts(s.schedule(), [])
+
+
+def test_fruitless_proposals_back_off_exponentially_and_a_hit_resets():
+    s = make()
+    s.add(req("fresh", [30, 31, 32, 33], max_tokens=40))
+    unique = lambda seq_id, pos: 100 + pos  # noqa: E731  never repeats: no n-gram ever matches
+    active = []
+    for _ in range(12):
+        active.append(s.speculation_active())
+        plan = s.schedule()
+        assert not plan.has_drafts
+        s.update(plan, sampled_rows(plan, unique))
+    # nothing runs before step 1 (the prefill); misses at steps 2, 3 -> pause 1; at 5 -> pause 2; at 8 -> pause 4
+    assert active == [False, True, True, False, True, False, False, True, False, False, False, False]
+    (seq,) = s._running
+    assert seq.draft_misses == 4
+    s._draft_outcome(seq, hit=True)
+    assert seq.draft_misses == 0
