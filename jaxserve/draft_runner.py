@@ -60,7 +60,6 @@ class DraftRunner:
         self.cfg = cfg
         self.weights = weights
         self.engine_cfg = engine_cfg
-        self.k = engine_cfg.speculative_config.num_speculative_tokens
         self.kv = kv_cache.allocate(cfg, engine_cfg.num_kv_pages, engine_cfg.page_size,
                                     kv_dtype(engine_cfg, dtype), mesh)
         self._attention = make_attention(engine_cfg.attention_backend, cfg, mesh)
@@ -84,9 +83,12 @@ class DraftRunner:
         self.kv = copy_fn(self.kv, src, dst)
 
     def propose(self, chunks: Sequence[ScheduledChunk], num_drafts: Sequence[int]) -> list[list[int]]:
-        """Greedy drafts for decode chunks (token_ids[0] known, at start_pos): num_drafts[i] ids each."""
+        """Greedy drafts for decode chunks (token_ids[0] known, at start_pos): num_drafts[i] ids each.
+        Forward j writes position start + j of the rows still drafting (j < num_drafts[i]: their
+        pages exist); finished rows write nothing (padding slot) and their ids are ignored."""
         n = len(chunks)
         steps = max(num_drafts)
+        wanted = np.asarray(num_drafts, np.int32)
         t, s = choose_bucket(self._buckets, n, n)
         ps = self.engine_cfg.page_size
         tables = np.zeros((s, self.engine_cfg.max_pages_per_seq), np.int32)
@@ -98,7 +100,8 @@ class DraftRunner:
         prev = self._zeros
         drafted = []
         for j in range(steps):
-            pos = starts + j
+            active = j < wanted
+            pos = np.where(active, starts + j, starts)
             token_ids = np.zeros(t, np.int32)
             positions = np.zeros(t, np.int32)
             token_seq = np.zeros(t, np.int32)
@@ -113,7 +116,7 @@ class DraftRunner:
                 prev_row[:n] = rows                          # the previous draft forward's argmax
             positions[:n] = pos
             token_seq[:n] = rows
-            slots[:n] = tables[rows, pos // ps] * ps + pos % ps
+            slots[:n] = np.where(active, tables[rows, pos // ps] * ps + pos % ps, self._pad_slot)
             seq_lens[:n] = pos + 1
             cu[1:n + 1] = rows + 1
             cu[n + 1:] = n
@@ -126,13 +129,13 @@ class DraftRunner:
         return [ids[:d, i].tolist() for i, d in enumerate(num_drafts)]
 
     def warmup(self, prev_ids: jax.Array) -> int:
-        """Compiles and runs, per forward bucket, the fill (no logits) and the proposal forward with
-        its argmax; returns how many programs that was."""
+        """Compiles and runs, per forward bucket, the fill (no logits) and the proposal forward, and
+        the argmax per sequence bucket; returns how many programs that was."""
         max_pages = self.engine_cfg.max_pages_per_seq
         for t, s in self._buckets:
             arrays = dummy_arrays(Program("forward", t, s), max_pages, self._pad_slot)
             self.fill(arrays, prev_ids)
             logits = self._forward(arrays, prev_ids)
             jax.block_until_ready(_argmax_step(logits, vocab_size=self.cfg.vocab_size, width=self._width))
-        return 3 * len(self._buckets)
+        return 2 * len(self._buckets) + len({s for _, s in self._buckets})
 

@@ -9,10 +9,12 @@ host, so a step n that sampled such a row is finished before step n+1 is planned
 A grammar-constrained row (structured output) needs its previous token for its token mask, but not
 for its forward: step n+1's forward is dispatched first, step n is applied while it runs, and
 n+1's sampler is dispatched with the masks once they are filled.
-Speculative decoding: while speculation is active (configured, batch within disable_by_batch_size)
-steps run synchronously: a draft proposal needs the sequence's last token on the host, and a step
-with drafts emits an accepted run whose length the next step's positions depend on. Counts of
-drafted and accepted tokens are logged every SPEC_LOG_INTERVAL seconds.
+Speculative decoding: while speculation is active (configured, batch within disable_by_batch_size,
+some sequence not backing off after fruitless proposals: scheduler.py) steps run synchronously: a
+proposal needs the sequence's last token on the host, and a step with drafts emits an accepted run
+whose length the next step's positions depend on. With a draft model, `_schedule` runs its
+proposals between planning and building the step. Counts of drafted and accepted tokens are logged
+every SPEC_LOG_INTERVAL seconds.
 Without async scheduling a step is schedule -> build -> dispatch -> wait -> update.
 `Engine` runs an `EngineCore` on one background thread and delivers each request's TokenEvents to
 an asyncio queue on the caller's event loop (`call_soon_threadsafe`). Nothing here decodes text:
@@ -95,10 +97,11 @@ class EngineCore:
         spec = self.scheduler.spec_stats
         self._spec_logged = (time.monotonic(), spec.copy()) if spec is not None else None
         if (sc := engine_cfg.speculative_config) is not None:
+            source = (f"n-gram {sc.prompt_lookup_min}..{sc.prompt_lookup_max}" if sc.method == "ngram"
+                      else f"draft model {sc.model}")
             limit = "" if sc.disable_by_batch_size is None else f", off above {sc.disable_by_batch_size} running"
-            logger.info("speculative decoding: %s, up to %d draft tokens per decode (n-gram %d..%d)%s; steps run "
-                        "synchronously while it is on", sc.method, sc.num_speculative_tokens, sc.prompt_lookup_min,
-                        sc.prompt_lookup_max, limit)
+            logger.info("speculative decoding: up to %d draft tokens per decode (%s)%s; steps run synchronously "
+                        "while it is on", sc.num_speculative_tokens, source, limit)
 
     @property
     def num_kv_pages(self) -> int:

@@ -147,10 +147,7 @@ class ModelRunner:
         plan.copies = []
         chunks = [c for c in plan.chunks if c.draft_token_ids]
         out = self.draft.propose(chunks, [len(c.draft_token_ids) for c in chunks])
-        if self.warmed_up and CompileCounter.count() != before:
-            new = CompileCounter.count() - before
-            self.compilations_after_warmup += new
-            logger.error("%d compilation(s) after warm-up in a draft proposal of %d sequences", new, len(chunks))
+        self._count_compilations(before, what=f"a draft proposal of {len(chunks)} sequences")
         return out
 
     def sample(self, logits: jax.Array, inputs: StepInputs, bitmask: np.ndarray | None = None) -> SamplerOutput:
@@ -164,13 +161,14 @@ class ModelRunner:
         self._count_compilations(before, inputs)
         return out
 
-    def _count_compilations(self, before: int, inputs: StepInputs) -> None:
+    def _count_compilations(self, before: int, inputs: StepInputs | None = None, what: str = "") -> None:
         if self.warmed_up and CompileCounter.count() != before:
             new = CompileCounter.count() - before
             self.compilations_after_warmup += new
-            logger.error("%d compilation(s) after warm-up for step shape T=%d S=%d H=%d: a bucket is "
-                         "missing from warm-up", new, inputs.arrays.token_ids.shape[0],
-                         inputs.arrays.seq_lens.shape[0], inputs.sampling.table_ids.shape[1])
+            if inputs is not None:
+                what = (f"step shape T={inputs.arrays.token_ids.shape[0]} S={inputs.arrays.seq_lens.shape[0]} "
+                        f"L={inputs.sampling.num_rows} H={inputs.sampling.table_ids.shape[1]}")
+            logger.error("%d compilation(s) after warm-up for %s: a bucket is missing from warm-up", new, what)
 
     def _forward_args(self, arrays: StepArrays) -> dict[str, Any]:
         packed, spec = pack(arrays)
