@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--workloads", default="greedy,sampled")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="the speculative config's disable_by_batch_size (default: unset)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     weights = init_random(model_cfg, seed=0, dtype=jnp.float32)
     batches = [int(b) for b in args.batches.split(",")]
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     cores = {name: make_core(model_cfg, weights, max(batches), cfg) for name, cfg in (("plain", None), ("ngram", spec))}
     print(json.dumps({name: {"warmup_s": round(w, 1)} for name, (_, w) in cores.items()}), flush=True)
     rows = []
@@ -115,13 +119,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\nCPU: {cpu_model()}; preset {args.preset}; prompt {args.prompt_len}, {args.max_tokens} tokens; "
-          f"k={args.num_speculative_tokens}; median of {args.repeats}")
+          f"k={args.num_speculative_tokens}; disable_by_batch_size {args.disable_by_batch_size}; median of {args.repeats}")
     print("| workload | batch | plain TPOT ms | ngram TPOT ms | TPOT ratio | mean acceptance length | acceptance | "
           "plain tok/s | ngram tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workload']} | {r['batch']} | {r['plain_tpot_ms']:.1f} | {r['ngram_tpot_ms']:.1f} | "
-              f"{r['tpot_ratio']:.2f}x | {r['ngram_mean_acceptance_length']:.2f} | {100 * r['ngram_acceptance_rate']:.0f}% | "
+              f"{r['tpot_ratio']:.2f}x | {r['ngram_mean_acceptance_length']:.2f} | "
+              f"{100 * r['ngram_acceptance_rate']:.0f}% | "
               f"{r['plain_tokens_per_s']:.0f} | {r['ngram_tokens_per_s']:.0f} |")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=1))

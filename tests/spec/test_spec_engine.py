@@ -6,6 +6,7 @@ after warm-up."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from engine_utils import greedy, make_core, run_all, tiny_model
@@ -174,3 +175,31 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path, cores):
     cfg = EngineConfig(**SMALL_ENGINE, speculative_config=_draft_spec("unused"))
     with pytest.raises(ValueError, match="vocab_size 128, the target 96"):
         EngineCore(target.model_cfg, target.runner.weights, cfg, make_mesh(1, 1), draft=other)
+
+
+def test_first_two_tokens_joint_distribution_matches_plain_sampling(cores):
+    """Distribution, not identity: independent seeds for the two engines, top_k=5. The second token
+    comes from verification (one n-gram draft proposed after the first) whenever the first recurs
+    in the prompt; the (first, second) frequencies of the two runs agree (chi-square, p > 1e-3)."""
+    from scipy.stats import chi2_contingency
+
+    plain, spec = cores
+    prompt = _repetitive(0)
+    n = 600
+
+    def pairs(core, seed0):
+        reqs = [Request(f"j{seed0}-{i}", prompt, SamplingParams(temperature=1.0, top_k=5, seed=seed0 + i,
+                                                                max_tokens=3, ignore_eos=True)) for i in range(n)]
+        out = run_all(core, reqs)
+        return [tuple(out[r.request_id][0][:2]) for r in reqs]
+
+    before = spec.scheduler.spec_stats.copy()
+    a, b = pairs(plain, 10_000), pairs(spec, 50_000)
+    drafted = spec.scheduler.spec_stats.since(before)
+    assert drafted.num_drafts > n // 4 and 0 < drafted.num_accepted_tokens < drafted.num_drafts
+    cats = sorted(set(a) | set(b))
+    table = np.array([[a.count(c) for c in cats], [b.count(c) for c in cats]])
+    common = table.sum(axis=0) >= 10                   # pool rare pairs so expected counts stay >= 5
+    rare = table[:, ~common].sum(axis=1, keepdims=True)
+    table = np.hstack([table[:, common]] + ([rare] if rare.sum() else []))
+    assert chi2_contingency(table).pvalue > 1e-3
