@@ -93,7 +93,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    'the sequence\'s own earlier tokens) or \'{"method": "draft_model", "model": DIR, '
                    '"num_speculative_tokens": 4}\' (a smaller model with the same tokenizer proposes); drafts are '
                    'verified losslessly in the step; optional "disable_by_batch_size": N turns it off while more '
-                   'than N sequences run (default: off)')
+                   'than N sequences are running or waiting (default: off)')
 
 
 def _quantization_arg(g: "argparse._ActionsContainer") -> None:

@@ -32,10 +32,8 @@ Speculative decoding (`EngineConfig.speculative_config`, n-gram proposals): a de
 token is known (nothing in flight) may carry d <= k draft tokens after it, d + 1 tokens computed and
 d + 1 rows sampled in the same step (spec/accept.py verifies them: the rows sampled as without
 speculation, the drafts accepted while they match). Drafts need budget and free pages (a step never
-preempts for them) and stop short of max_len; a constrained sequence's drafts are cut at the first
-token its grammar refuses. A sequence whose proposals keep missing (none found, or every draft
-rejected, MISSES_BEFORE_BACKOFF times in a row) stops proposing for 1, 2, 4, .. MAX_BACKOFF_STEPS
-steps, so text that does not repeat costs neither draft rows nor synchronous steps. `update()` emits
+preempts for them); which decodes draft and how many is spec/drafting.py's business (including the
+back-off of sequences whose proposals keep missing). `update()` emits
 the accepted run token by token with the usual stop checks and rolls `num_computed_tokens` back over the rejected drafts: their K/V stays in the pages
 as garbage past the sequence's length, overwritten by later steps, and never committed to the
 prefix cache (commits cover known tokens only). A speculating sequence is not planned again until
@@ -52,16 +50,12 @@ from typing import Any
 
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import FinishReason, Request, Sequence, SequenceStatus, TokenEvent
-from jaxserve.spec import ngram
-from jaxserve.spec.accept import num_accepted
+from jaxserve.spec.drafting import Drafting
 from jaxserve.spec.stats import SpecDecodeStats
 
 logger = logging.getLogger("jaxserve.scheduler")
 
 PENDING_TOKEN = -1  # in ScheduledChunk.token_ids: the in-flight token sampled by the previous step
-MISSES_BEFORE_BACKOFF = 2  # fruitless proposals in a row before a sequence stops proposing for a while
-MAX_BACKOFF_STEPS = 16
-DRAFT_SLOT = -2     # in ScheduledChunk.draft_token_ids: a draft the draft model proposes before the step
 
 _CONFIG_FIELDS = ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                   "enable_prefix_caching", "scheduling_policy", "model_id")
@@ -177,9 +171,8 @@ class Scheduler:
         self._num_preemptions = 0
         self.num_discarded_tokens = 0  # sampled after their sequence had finished (async scheduling)
         self._outstanding = 0  # plans with chunks scheduled and not yet updated
-        self._spec = getattr(cfg, "speculative_config", None)
-        self._num_steps = 0  # schedule() calls (draft back-off is counted in them)
-        self.spec_stats = SpecDecodeStats(self._spec.num_speculative_tokens) if self._spec is not None else None
+        spec = getattr(cfg, "speculative_config", None)
+        self.drafting = Drafting(spec) if spec is not None else None
 
     # ---- entry points (any thread) -------------------------------------------------------------
 
@@ -246,7 +239,8 @@ class Scheduler:
             raise RuntimeError(f"{self._outstanding} plans await update(); async scheduling plans one "
                                "step ahead at most")
         st = _Step(StepPlan(), self.config.max_num_batched_tokens)
-        self._num_steps += 1
+        if self.drafting is not None:
+            self.drafting.start_step()
         with self._lock:
             incoming, self._incoming = self._incoming, []
             removals, self._removals = self._removals, []
@@ -315,10 +309,9 @@ class Scheduler:
             if toks:
                 seq.num_inflight -= 1
             drafts = chunk.draft_token_ids
-            accepted = num_accepted(drafts, [t.token_id for t in toks]) if toks else 0
+            accepted = 0
             if drafts:
-                self.spec_stats.record(len(drafts), accepted)
-                self._draft_outcome(seq, hit=accepted > 0)
+                accepted = self.drafting.verified(seq, drafts, [t.token_id for t in toks])
                 if seq.status is SequenceStatus.RUNNING:
                     seq.num_computed_tokens -= len(drafts) - accepted  # rejected drafts' K/V is garbage now
             if seq.status is SequenceStatus.FINISHED:
@@ -342,22 +335,17 @@ class Scheduler:
         return events
 
     def speculation_active(self) -> bool:
-        """Whether the next step's decodes may carry drafts: configured, the running batch within
-        disable_by_batch_size, and some running sequence not backing off."""
-        if self._spec is None or not self._spec.active(len(self._running)):
+        """Whether the next step's decodes may carry drafts (spec/drafting.py)."""
+        if self.drafting is None:
             return False
-        return any(seq.draft_resume_step <= self._num_steps + 1 for seq in self._running)
+        with self._lock:
+            incoming = sum(len(u) for u in self._incoming)
+        enqueued = len(self._running) + sum(len(u) for u in self._waiting) + incoming
+        return self.drafting.active(self._running, enqueued)
 
-    def _draft_outcome(self, seq: Sequence, hit: bool) -> None:
-        """Back-off bookkeeping: a hit (a draft accepted) resets it; each miss after
-        MISSES_BEFORE_BACKOFF - 1 of them doubles the steps without proposals (up to MAX_BACKOFF_STEPS)."""
-        if hit:
-            seq.draft_misses = 0
-            return
-        seq.draft_misses += 1
-        if seq.draft_misses >= MISSES_BEFORE_BACKOFF:
-            pause = min(1 << (seq.draft_misses - MISSES_BEFORE_BACKOFF), MAX_BACKOFF_STEPS)
-            seq.draft_resume_step = self._num_steps + 1 + pause
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        return self.drafting.stats if self.drafting is not None else None
 
     # ---- admission and limits ------------------------------------------------------------------
 
@@ -447,7 +435,7 @@ class Scheduler:
         length = min(seq.target_len - start, st.budget)
         if length <= 0:
             return
-        drafts = self._drafts(seq, st) if st.speculate and length == 1 else []
+        drafts = self.drafting.drafts(seq, st.budget) if st.speculate and length == 1 else []
         if drafts and alloc.pages_to_grow(seq.seq_id, start + 1 + len(drafts), start) > alloc.num_free_pages:
             drafts = []  # speculation never takes the last pages, nor preempts anyone
         length += len(drafts)
@@ -479,27 +467,6 @@ class Scheduler:
         st.scheduled[seq.seq_id] = chunk
         st.budget -= length
 
-    def _drafts(self, seq: Sequence, st: _Step) -> list[int]:
-        """Draft tokens for a decode of seq: n-gram lookup over its prompt + output, at most k, the
-        step's leftover budget, and what max_len leaves; cut where its grammar refuses one."""
-        spec = self._spec
-        if seq.num_inflight or seq.pending_siblings or seq.num_computed_tokens != seq.num_tokens - 1:
-            return []  # the last token must be known (async: the previous step finished)
-        if self._num_steps < seq.draft_resume_step:
-            return []  # backing off after fruitless proposals
-        k = min(spec.num_speculative_tokens, st.budget - 1, seq.max_len - seq.num_tokens - 1)
-        if k <= 0:
-            return []
-        if spec.method == "draft_model":
-            return [DRAFT_SLOT] * k  # filled by set_drafts() once the draft model has run
-        drafts = ngram.propose(seq.token_slice(0, seq.num_tokens), k, spec.prompt_lookup_min,
-                               spec.prompt_lookup_max).tolist()
-        if drafts and seq.guide is not None:
-            drafts = drafts[:seq.guide.valid_prefix(drafts)]
-        if not drafts:
-            self._draft_outcome(seq, hit=False)
-        return drafts
-
     def set_drafts(self, plan: StepPlan, proposals: list[list[int]]) -> None:
         """Fills the DRAFT_SLOTs of the plan's chunks (in plan order) with the draft model's
         proposals, cut where a grammar refuses one; slots left over stop being computed."""
@@ -509,9 +476,7 @@ class Scheduler:
         for chunk, drafts in zip(chunks, proposals):
             seq = plan.owners[chunk.seq_id]
             slots = len(chunk.draft_token_ids)
-            drafts = list(drafts[:slots])
-            if drafts and seq.guide is not None:
-                drafts = drafts[:seq.guide.valid_prefix(drafts)]
+            drafts = Drafting.grammar_cut(seq, list(drafts[:slots]))
             chunk.token_ids = chunk.token_ids[:len(chunk.token_ids) - slots] + drafts
             chunk.draft_token_ids = drafts
             seq.num_computed_tokens -= slots - len(drafts)

@@ -2,7 +2,8 @@
 
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
     {"method": "draft_model" | "eagle3", "model": DIR, "num_speculative_tokens": k}
-    optional for every method: "disable_by_batch_size": n (no speculation while more than n run)
+    optional for every method: "disable_by_batch_size": n (no speculation while more than n sequences
+    are enqueued: running or waiting)
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None:
             positive("disable_by_batch_size", self.disable_by_batch_size)
 
-    def active(self, running: int) -> bool:
-        """Whether steps with `running` sequences speculate (off above disable_by_batch_size)."""
-        return self.disable_by_batch_size is None or running <= self.disable_by_batch_size
+    def active(self, enqueued: int) -> bool:
+        """Whether steps speculate with `enqueued` sequences running or waiting (off above
+        disable_by_batch_size)."""
+        return self.disable_by_batch_size is None or enqueued <= self.disable_by_batch_size

@@ -157,6 +157,14 @@ def test_disable_by_batch_size_turns_speculation_off_above_it():
     plan = s2.schedule()
     s2.update(plan, sampled_rows(plan))
     assert s2.speculation_active() and s2.schedule().has_drafts
+    # waiting sequences count too (vLLM's "enqueued"): 2 running + 2 waiting > 3
+    s3 = make(spec={**NGRAM, "disable_by_batch_size": 3}, max_num_seqs=2)
+    for i in range(4):
+        s3.add(req(f"r{i}", PATTERN * 2 + [11]))
+    plan = s3.schedule()
+    s3.update(plan, sampled_rows(plan))
+    assert s3.stats().num_running == 2 and s3.stats().num_waiting == 2
+    assert not s3.speculation_active() and not s3.schedule().has_drafts
 
 
 class _Grammar:
@@ -232,5 +240,5 @@ def test_fruitless_proposals_back_off_exponentially_and_a_hit_resets():
     assert active == [False, True, True, False, True, False, False, True, False, False, False, False]
     (seq,) = s._running
     assert seq.draft_misses == 4
-    s._draft_outcome(seq, hit=True)
+    s.drafting.outcome(seq, hit=True)
     assert seq.draft_misses == 0
