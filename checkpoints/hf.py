@@ -98,6 +98,11 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], np.ndar
                 yield name, read
 
 
+def read_safetensors(file: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file (small files: LoRA adapters), any stored dtype."""
+    return {name: read() for name, read in _iter_tensors([Path(file)])}
+
+
 def tensor_names(model_dir: str | Path) -> set[str]:
     """Every tensor name of a checkpoint (headers only)."""
     names: set[str] = set()

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.lora.apply import LoraInputs
 from jaxserve.model.transformer import forward
 from jaxserve.model.weights import Weights
 
@@ -48,11 +49,12 @@ def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
 
 @partial(jax.jit, static_argnames=("cfg",))
 def forward_dense(weights: Weights, cfg: ModelConfig, tokens: jax.Array, attention_mask: jax.Array,
-                  rope_seq_len: jax.Array | None = None) -> jax.Array:
+                  rope_seq_len: jax.Array | None = None, lora: LoraInputs | None = None) -> jax.Array:
     """tokens, attention_mask: [B, S] (left padded). Returns float32 logits [B, S, vocab_size].
 
     rope_seq_len: the length dynamic RoPE scales for (transformers uses the longest sequence of
-    the batch); defaults to max(position) + 1.
+    the batch); defaults to max(position) + 1. lora: adapter slots and each token's slot one-hot
+    [B, S, N] (lora/apply.py).
     """
     positions = positions_from_mask(attention_mask)
     key_valid = attention_mask.astype(bool)
@@ -65,7 +67,7 @@ def forward_dense(weights: Weights, cfg: ModelConfig, tokens: jax.Array, attenti
         return dense_attention(q, k, v, key_valid, cfg.layer_windows[i], scale), cache
 
     logits, _ = forward(weights, cfg, tokens, positions, attend, [None] * cfg.num_layers,
-                        seq_lens_per_token=seq_lens)
+                        seq_lens_per_token=seq_lens, lora=lora)
     return logits[..., : cfg.vocab_size]
 
 

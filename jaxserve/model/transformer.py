@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.lora import apply as lora_apply
 from jaxserve.model import rope
 from jaxserve.model.matmul import einsum
 from jaxserve.model.weights import LayerWeights, Weights
@@ -34,21 +35,23 @@ def _add(x: jax.Array, bias: jax.Array | None) -> jax.Array:
     return x if bias is None else x + bias
 
 
-def qkv(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig
-        ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q = _add(einsum("...d,dhk->...hk", x, layer.wq), layer.bq)
-    k = _add(einsum("...d,dhk->...hk", x, layer.wk), layer.bk)
-    v = _add(einsum("...d,dhk->...hk", x, layer.wv), layer.bv)
+def qkv(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
+        lora: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """lora: this layer's adapter factors and the tokens' slot one-hot (lora/apply.py), or None."""
+    q = lora_apply.add(_add(einsum("...d,dhk->...hk", x, layer.wq), layer.bq), "q_proj", x, lora)
+    k = lora_apply.add(_add(einsum("...d,dhk->...hk", x, layer.wk), layer.bk), "k_proj", x, lora)
+    v = lora_apply.add(_add(einsum("...d,dhk->...hk", x, layer.wv), layer.bv), "v_proj", x, lora)
     if cfg.qk_norm:
         q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
 
 
-def mlp(layer: LayerWeights, x: jax.Array) -> jax.Array:
-    gate = _add(einsum("...d,df->...f", x, layer.w_gate), layer.b_gate)
-    up = _add(einsum("...d,df->...f", x, layer.w_up), layer.b_up)
-    return _add(einsum("...f,fd->...d", jax.nn.silu(gate) * up, layer.w_down), layer.b_down)
+def mlp(layer: LayerWeights, x: jax.Array, lora: Any = None) -> jax.Array:
+    gate = lora_apply.add(_add(einsum("...d,df->...f", x, layer.w_gate), layer.b_gate), "gate_proj", x, lora)
+    up = lora_apply.add(_add(einsum("...d,df->...f", x, layer.w_up), layer.b_up), "up_proj", x, lora)
+    h = jax.nn.silu(gate) * up
+    return lora_apply.add(_add(einsum("...f,fd->...d", h, layer.w_down), layer.b_down), "down_proj", h, lora)
 
 
 def lm_head(weights: Weights, x: jax.Array) -> jax.Array:
@@ -60,23 +63,27 @@ def lm_head(weights: Weights, x: jax.Array) -> jax.Array:
 
 def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             attend: Attend, caches: Sequence[Any], *, logits_index: jax.Array | None = None,
-            seq_lens_per_token: jax.Array | None = None) -> tuple[jax.Array, list[Any]]:
+            seq_lens_per_token: jax.Array | None = None,
+            lora: lora_apply.LoraInputs | None = None) -> tuple[jax.Array, list[Any]]:
     """tokens, positions: [...] int32. Returns (float32 logits, updated caches).
 
     logits_index: gather these rows of the flattened token axis before the lm_head, so a step
     computes logits only for the rows that sample ([R] -> logits [R, Vp]); None keeps every row.
     seq_lens_per_token: [...] each token's sequence length (dynamic RoPE only).
+    lora: adapter slots and each token's slot one-hot [..., N] (multi-LoRA), or None.
     """
     x = jnp.take(weights.embed, tokens, axis=0)
     cos, sin = rope.cos_sin(cfg, positions, seq_lens_per_token)
     new_caches = []
     for i, layer in enumerate(weights.layers):
+        lo = None if lora is None else (lora.layers[i], lora.one_hot)
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        q, k, v = qkv(layer, h, cos, sin, cfg)
+        q, k, v = qkv(layer, h, cos, sin, cfg, lo)
         out, cache = attend(i, q, k, v, caches[i])
         new_caches.append(cache)
-        x = x + _add(einsum("...hk,hkd->...d", out.astype(x.dtype), layer.wo), layer.bo)
-        x = x + mlp(layer, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps))
+        out = out.astype(x.dtype)
+        x = x + lora_apply.add(_add(einsum("...hk,hkd->...d", out, layer.wo), layer.bo), "o_proj", out, lo)
+        x = x + mlp(layer, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), lo)
     if logits_index is not None:
         x = jnp.take(x.reshape(-1, x.shape[-1]), logits_index, axis=0)
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
