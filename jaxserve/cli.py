@@ -87,6 +87,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="queued sequences beyond which new requests get 429")
     g.add_argument("--seed", type=int, default=0, help="seeds the random seeds of requests that bring none")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters on the base model")
+    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                   help="PEFT adapter directories (adapter_config.json + adapter_model.safetensors) loaded at start-up; "
+                   "a request selects one "
+                   "by its model field")
+    g.add_argument("--max-loras", type=int, default=4, help="adapter slots on the device")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (every slot is this wide)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON shape, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (prompt lookup: drafts copied from '
@@ -94,6 +101,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    '"num_speculative_tokens": 4}\' (a smaller model with the same tokenizer proposes); drafts are '
                    'verified losslessly in the step; optional "disable_by_batch_size": N turns it off while more '
                    'than N sequences are running or waiting (default: off)')
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def _quantization_arg(g: "argparse._ActionsContainer") -> None:
@@ -144,7 +158,8 @@ def _engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  
         async_scheduling=args.async_scheduling,
         dtype=None if args.dtype == "auto" else args.dtype, quantization=args.quantization, mesh_shape=mesh,
         attention_backend=args.attention_backend, compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,
-        seed=args.seed, speculative_config=args.speculative_config)
+        seed=args.seed, speculative_config=args.speculative_config, enable_lora=args.enable_lora,
+        lora_modules=tuple(args.lora_modules), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
 
 def _size_fields(args: argparse.Namespace) -> dict:

@@ -267,10 +267,23 @@ class EngineConfig:
     async_scheduling: bool = True            # plan and dispatch step n+1 while step n runs on the device
     # speculative decoding: a SpeculativeConfig, or its JSON text / dict (vLLM's shape); None: off
     speculative_config: SpeculativeConfig | None = None
+    # multi-LoRA: adapters (name, PEFT directory) loaded at start-up into max_loras slots of rank max_lora_rank
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.enable_lora and len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"{len(self.lora_modules)} LoRA adapters need --max-loras >= {len(self.lora_modules)} "
+                             f"(got {self.max_loras}); adapters beyond the device slots are not served yet")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names must be distinct, got {names}")
         if self.speculative_config is not None and self.speculative_config.method == "eagle3":
             raise ValueError("--speculative-config method 'eagle3' is not served yet; the served methods are "
                              "'ngram' (prompt lookup) and 'draft_model'")

@@ -77,7 +77,7 @@ class DraftRunner:
 
     def fill(self, arrays: StepArrays, prev_ids: jax.Array) -> None:
         """The draft's K/V for the target step's tokens (same slots, same in-flight ids)."""
-        self._forward(arrays._replace(logits_index=np.zeros(0, np.int32)), prev_ids)
+        self._forward(arrays._replace(logits_index=np.zeros(0, np.int32), lora_slot=None), prev_ids)
 
     def copy_pages(self, copy_fn: Any, src: jax.Array, dst: jax.Array) -> None:
         self.kv = copy_fn(self.kv, src, dst)

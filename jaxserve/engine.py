@@ -121,6 +121,11 @@ class EngineCore:
             request = dataclasses.replace(request, params=dataclasses.replace(params, seed=self._rng.getrandbits(62)))
         if params.ignore_eos:
             request = dataclasses.replace(request, eos_token_ids=frozenset())
+        if request.lora_name is not None:
+            slots = self.runner.lora_slots
+            if request.lora_name not in slots:
+                raise ValueError(f"unknown LoRA adapter {request.lora_name!r}; loaded: {', '.join(slots) or 'none'}")
+            request = dataclasses.replace(request, lora_slot=slots[request.lora_name])
         self.scheduler.add(request)
         return request
 

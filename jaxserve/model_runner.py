@@ -84,6 +84,7 @@ class ModelRunner:
             logger.info("KV heads duplicated %d -> %d: one per device of the %d-way model axis", kv_heads,
                         model_cfg.num_kv_heads, mesh.shape[sharding.MODEL_AXIS])
         self.model_cfg = model_cfg
+        self._kv_heads_duplicated = model_cfg.num_kv_heads != kv_heads
         self.mesh = mesh
         self.weights = weights
         self.dtype = jnp.dtype(dtype)
@@ -112,6 +113,10 @@ class ModelRunner:
         self._prev_ids = self._put(np.zeros(self._rows_width, np.int32))
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> [rows, W] int32 all-ones bitmask
         self.draft = DraftRunner(*draft, engine_cfg, mesh, self.dtype, self._put) if draft is not None else None
+        self.lora_slots: dict[str, int] = {}   # adapter name -> device slot
+        self._lora = None                       # per layer: module -> (a, b) slot factors, on the device
+        if engine_cfg.enable_lora:
+            self._load_adapters()
         self.warmed_up = False
         self.compilations_after_warmup = 0
 
@@ -173,7 +178,24 @@ class ModelRunner:
     def _forward_args(self, arrays: StepArrays) -> dict[str, Any]:
         packed, spec = pack(arrays)
         return dict(kv=self.kv, packed=self._put(packed), spec=spec, cfg=self.model_cfg,
-                    attention_fn=self._attention, prev_ids=self._prev_ids)
+                    attention_fn=self._attention, prev_ids=self._prev_ids, lora=self._lora)
+
+    def _load_adapters(self) -> None:
+        """Every --lora-modules adapter into its own slot (start-up; checked against the model)."""
+        from jaxserve.lora.adapter import load_adapter
+        from jaxserve.lora.slots import stack
+
+        cfg = self.engine_cfg
+        if self._kv_heads_duplicated:
+            raise ValueError("LoRA with KV heads duplicated over a model axis wider than the KV head count is not "
+                             "supported yet: use a model axis that divides the KV heads")
+        adapters = [load_adapter(path, self.model_cfg, cfg.max_lora_rank, name) for name, path in cfg.lora_modules]
+        self.lora_slots = {a.name: i for i, a in enumerate(adapters)}
+        slots = stack([*adapters, *[None] * (cfg.max_loras - len(adapters))], self.model_cfg, cfg.max_lora_rank)
+        self._lora = self._put([{m: (jnp.asarray(a, self.dtype), jnp.asarray(b, self.dtype))
+                                 for m, (a, b) in layer.items()} for layer in slots])
+        logger.info("LoRA: %d adapter(s) in %d slots of rank %d: %s", len(adapters), cfg.max_loras,
+                    cfg.max_lora_rank, ", ".join(f"{a.name} (rank {a.rank}, {'/'.join(a.modules)})" for a in adapters))
 
     def _forward(self, arrays: StepArrays) -> tuple[jax.Array, kv_cache.KVPages]:
         return forward_step(self.weights, **self._forward_args(arrays))
@@ -221,12 +243,13 @@ class ModelRunner:
         # Steps feed the sample program's padded ids to the next forward: prime that buffer with a
         # real one, so the forwards below compile for the sharding steps will give them.
         first = programs[0]
-        logits, self.kv = self._forward(dummy_arrays(first, max_pages, pad_slot))
+        lora = self.engine_cfg.enable_lora
+        logits, self.kv = self._forward(dummy_arrays(first, max_pages, pad_slot, lora))
         _, self._prev_ids = self._sample(logits, dummy_sampling(first.logits, 0))
         logits_by_rows = {}  # real forward outputs, so the sampler sees the shardings steps will give it
         for done, p in enumerate(programs, 1):
             if p.kind == "forward":
-                logits_by_rows[p.logits], self.kv = self._forward(dummy_arrays(p, max_pages, pad_slot))
+                logits_by_rows[p.logits], self.kv = self._forward(dummy_arrays(p, max_pages, pad_slot, lora))
             elif p.kind == "sample":
                 jax.block_until_ready(self._sample(logits_by_rows[p.rows], dummy_sampling(p.rows, p.history)))
             else:

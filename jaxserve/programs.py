@@ -36,9 +36,9 @@ from jaxserve.step_inputs import StepArrays
 
 
 def _forward_packed(weights: Weights, kv: kv_cache.KVPages, packed: jax.Array, spec: PackSpec, cfg: ModelConfig,
-                    attention_fn: Callable[..., jax.Array], prev_ids: jax.Array
+                    attention_fn: Callable[..., jax.Array], prev_ids: jax.Array, lora: Any = None
                     ) -> tuple[jax.Array, kv_cache.KVPages]:
-    return forward_paged(weights, cfg, kv, unpack(packed, spec), attention_fn, prev_ids)
+    return forward_paged(weights, cfg, kv, unpack(packed, spec), attention_fn, prev_ids, lora)
 
 
 forward_step = jax.jit(_forward_packed, static_argnames=("spec", "cfg", "attention_fn"), donate_argnames=("kv",))
@@ -62,12 +62,13 @@ def rows_width(engine_cfg: EngineConfig) -> int:
     return max(max(logits_buckets(engine_cfg, t, s)) for t, s in declared_buckets(engine_cfg))
 
 
-def dummy_arrays(program: Program, max_pages: int, pad_slot: int) -> StepArrays:
-    """A forward bucket's step that writes nothing (every slot is padding) and has no live sequence."""
+def dummy_arrays(program: Program, max_pages: int, pad_slot: int, lora: bool = False) -> StepArrays:
+    """A forward bucket's step that writes nothing (every slot is padding) and has no live sequence
+    (lora: with the per-token adapter slots that LoRA-enabled steps carry)."""
     t, s = program.tokens, program.rows
     z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     return StepArrays(z(t), z(t), z(t), np.full(t, pad_slot, np.int32), z(s + 1), z(s), z(s, max_pages),
-                      z(1), z(program.logits), np.full(t, -1, np.int32))
+                      z(1), z(program.logits), np.full(t, -1, np.int32), np.full(t, -1, np.int32) if lora else None)
 
 
 def dummy_sampling(s: int, h: int) -> SamplingTensors:

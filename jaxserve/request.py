@@ -24,6 +24,8 @@ class Request:
     cache_salt: str | None = None                # per-tenant prefix-cache namespace
     # params.structured_outputs compiled by the front end (server, LLM) before submitting
     grammar: "CompiledGrammar | None" = None
+    lora_name: str | None = None                 # multi-LoRA: the adapter (None: the base model)
+    lora_slot: int = -1                          # its device slot, set by the engine at submission
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
 

@@ -370,8 +370,10 @@ class Scheduler:
         return total
 
     def _namespace(self, request: Request) -> str:
+        """Prefix-cache namespace: the model, the LoRA adapter (two adapters never share pages), the salt."""
         salt = "" if request.cache_salt is None else "\x01" + request.cache_salt
-        return f"{self.config.model_id}\x00{salt}"
+        lora = "" if request.lora_name is None else "\x02" + request.lora_name
+        return f"{self.config.model_id}{lora}\x00{salt}"
 
     def _unit_key(self, unit: list[Sequence]) -> tuple:
         """Waiting order: arrival (FCFS), or priority then arrival; a preempted sequence keeps its

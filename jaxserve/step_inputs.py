@@ -42,6 +42,8 @@ class StepArrays(NamedTuple):
     logits_index: np.ndarray   # [L] int32  token rows that sample (padding -> 0)
     prev_sample_row: np.ndarray  # [T] int32  -1: token_ids holds the id; r >= 0: the id sampled at
                                  # row r of the previous step (an in-flight token)
+    lora_slot: np.ndarray | None = None  # [T] int32 multi-LoRA: the token's adapter slot, -1 = base
+                                         # model; None when LoRA is off
 
 
 class StepInputs(NamedTuple):
@@ -110,8 +112,15 @@ class StepInputBuilder:
                                             [*outputs, *c.draft_token_ids[:j]] if j else outputs,
                                             c.request.eos_token_ids, c.request.grammar is not None))
         cu[len(chunks) + 1:] = t
+        lora_slot = None
+        if self.cfg.enable_lora:
+            lora_slot = np.full(t_bucket, -1, np.int32)
+            t = 0
+            for c in chunks:
+                lora_slot[t:t + len(c.token_ids)] = c.request.lora_slot
+                t += len(c.token_ids)
         arrays = StepArrays(token_ids, positions, token_seq, slots, cu, seq_lens, page_tables,
-                            np.array([len(chunks)], np.int32), logits_index, prev_row)
+                            np.array([len(chunks)], np.int32), logits_index, prev_row, lora_slot)
         sampling = SamplingTensors.from_rows(rows, l_bucket, self.vocab_size)
         copies = np.asarray(plan.copies, np.int32).reshape(-1, 2)
         return StepInputs(arrays, sampling, len(rows), copies)

@@ -32,6 +32,6 @@ def paged_logits(weights: Weights, cfg: ModelConfig, ids: Sequence[int], kv_cach
                         slot_mapping=arange, cu_q_lens=np.array([0, t], np.int32), seq_lens=np.array([t], np.int32),
                         page_tables=np.arange(pages, dtype=np.int32)[None], num_seqs=np.array([1], np.int32),
                         logits_index=arange, prev_sample_row=np.full(t, -1, np.int32))
-    arrays = StepArrays(*(jnp.asarray(a) for a in arrays))
+    arrays = StepArrays(*(None if a is None else jnp.asarray(a) for a in arrays))
     logits, kv = forward_paged(weights, cfg, kv, arrays, ragged_paged_attention_reference, jnp.zeros(1, jnp.int32))
     return logits[:, :cfg.vocab_size], kv

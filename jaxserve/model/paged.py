@@ -15,15 +15,17 @@ import jax.numpy as jnp
 
 from jaxserve import kv_cache
 from jaxserve.config import ModelConfig
+from jaxserve.lora.apply import LoraInputs
 from jaxserve.model.transformer import forward
 from jaxserve.model.weights import Weights
 
 
 def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arrays: Any,
                   attention_fn: Callable[..., jax.Array],
-                  prev_ids: jax.Array) -> tuple[jax.Array, kv_cache.KVPages]:
+                  prev_ids: jax.Array, lora: Any = None) -> tuple[jax.Array, kv_cache.KVPages]:
     """arrays: a StepArrays of device arrays; prev_ids: [max_num_seqs] int32, the previous step's
-    sampled ids. Returns (logits [S, Vp] float32, updated pages)."""
+    sampled ids; lora: the adapter slots' factors per layer (lora/slots.py) when LoRA is on, read
+    by each token through its `arrays.lora_slot`. Returns (logits [S, Vp] float32, updated pages)."""
     scale = cfg.head_dim ** -0.5
     pending = arrays.prev_sample_row >= 0                                          # [T]
     token_ids = jnp.where(pending, prev_ids[jnp.where(pending, arrays.prev_sample_row, 0)], arrays.token_ids)
@@ -36,6 +38,12 @@ def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arra
                            k_scales=layer_kv.k_scales, v_scales=layer_kv.v_scales)
         return out, layer_kv
 
+    lora_inputs = None
+    if lora is not None:
+        num_slots = next(iter(lora[0].values()))[1].shape[0]
+        one_hot = (arrays.lora_slot[:, None] == jnp.arange(num_slots)[None, :]).astype(jnp.float32)  # [T, N]
+        lora_inputs = LoraInputs(lora, one_hot)
     logits, layers = forward(weights, cfg, token_ids, arrays.positions, attend, kv.layers(),
-                             logits_index=arrays.logits_index, seq_lens_per_token=seq_len_per_token)
+                             logits_index=arrays.logits_index, seq_lens_per_token=seq_len_per_token,
+                             lora=lora_inputs)
     return logits, kv_cache.KVPages.from_layers(layers)

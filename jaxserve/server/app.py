@@ -77,6 +77,10 @@ def build_app(loader: Loader, config: ServerConfig) -> Starlette:
         data = [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "jaxserve",
                  "root": str(state.model_dir) if state.model_dir else None, "max_model_len": max_len}
                 for name in config.served_model_names]
+        if state.core is not None:  # LoRA adapters, as vLLM lists them: parent = the base model
+            data += [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "jaxserve",
+                      "root": path, "parent": config.served_model_names[0], "max_model_len": max_len}
+                     for name, path in state.core.engine_cfg.lora_modules]
         return JSONResponse({"object": "list", "data": data})
 
     async def health(request: Request) -> Response:

@@ -64,6 +64,7 @@ def submit(state: ServerState, gen: GenerationRequest, arrival: float) -> tuple[
     for i, ids in enumerate(gen.prompts):
         request = Request(f"{resp.id}-{i}", ids, dataclasses.replace(gen.params), state.tokenizer.eos_token_ids,
                           priority=gen.priority, cache_salt=gen.cache_salt, grammar=gen.grammar,
+                          lora_name=gen.model if gen.model in state.model.lora_names else None,
                           arrival_time=arrival)
         runs.append(RequestRun(engine, state.tokenizer, request, i * gen.params.n,
                                gen.include_stop_str_in_output, state.metrics, deadline))

@@ -59,6 +59,7 @@ class ModelContext:
     reasoning_parser: type | None = None   # server/reasoning/ class (--reasoning-parser)
     tool_parser: type | None = None        # server/tools/ class (--tool-call-parser, default hermes)
     auto_tool_choice: bool = False         # --enable-auto-tool-choice: tool_choice "auto" is parsed
+    lora_names: tuple[str, ...] = ()       # --lora-modules: a request's `model` may name an adapter
 
 
 @dataclasses.dataclass
@@ -222,8 +223,8 @@ def _model(body: dict, ctx: ModelContext) -> str:
     model = _str(body, "model")
     if model is None:
         return ctx.served_model_names[0]
-    if model not in ctx.served_model_names:
-        raise model_not_found(model, ctx.served_model_names)
+    if model not in ctx.served_model_names and model not in ctx.lora_names:
+        raise model_not_found(model, ctx.served_model_names + ctx.lora_names)
     return model
 
 

@@ -9,7 +9,6 @@ import json
 
 import jax.numpy as jnp
 import numpy as np
-import peft
 import pytest
 import torch
 
@@ -20,17 +19,9 @@ from jaxserve.lora.apply import LoraInputs
 from jaxserve.lora.slots import stack
 from jaxserve.model.dense import forward_dense
 from jaxserve.sharding import make_mesh
+from peft_adapters import write_adapter
 
 MAX_RANK = 16
-
-
-def write_adapter(model, directory, seed: int, r: int = 8, modules=MODULES, **kw):
-    """A PEFT adapter with random A and B (init_lora_weights=False), saved; returns the PEFT model."""
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(modules), init_lora_weights=False, **kw)
-    wrapped = peft.get_peft_model(model, config)
-    wrapped.save_pretrained(directory)
-    return wrapped
 
 
 def _logits(model, ids) -> np.ndarray:

@@ -1,0 +1,62 @@
+"""Multi-LoRA behind the OpenAI API: a PEFT adapter of the embedded default model is selected by the
+request's `model` field and gives the merged transformers model's greedy text, the base model name
+still gives the base model's, /v1/models lists the adapter with its parent, and an unknown name is
+OpenAI's 404."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+
+from jaxserve.config import EngineConfig
+from jaxserve.default_model import ensure_default_model
+from peft_adapters import write_adapter
+from server_utils import MODEL, TEST_ENGINE, client_for, start_server
+
+PROMPT = [9707, 11, 1879, 0, 576, 3974, 13876, 38835]  # "Hello, world! The quick brown fox" in Qwen ids
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory):
+    from jaxserve.llm import load_engine_core
+
+    base_dir = ensure_default_model()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+
+    def greedy(model):
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, eos_token_id=None,
+                                 pad_token_id=0)
+        return out[0, len(PROMPT):].tolist()
+
+    expected = {MODEL: greedy(hf)}
+    adapter_dir = tmp_path_factory.mktemp("adapter")
+    expected["ad"] = greedy(write_adapter(hf, adapter_dir, seed=5, r=8).merge_and_unload())
+    cfg = EngineConfig(model_id=MODEL, enable_lora=True, lora_modules=(("ad", str(adapter_dir)),), max_loras=2,
+                       max_lora_rank=8, **TEST_ENGINE)
+    server = start_server(load_engine_core(None, cfg))
+    yield server, expected
+    server.stop()
+
+
+def test_the_model_field_selects_the_adapter(lora_server):
+    server, expected = lora_server
+    client = client_for(server)
+    texts = {}
+    for name in (MODEL, "ad"):
+        out = client.completions.create(model=name, prompt=PROMPT, max_tokens=NEW, temperature=0.0,
+                                        extra_body={"ignore_eos": True})
+        texts[name] = out.choices[0].text
+    tok = server.state.tokenizer
+    assert texts == {name: tok.decode(ids) for name, ids in expected.items()}
+    assert texts[MODEL] != texts["ad"]
+    models = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+    assert models["ad"]["parent"] == MODEL and models["ad"]["root"].endswith("adapter0")
+    with pytest.raises(openai.NotFoundError, match="'nope' does not exist.*jaxserve-tiny, ad"):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert server.wait_idle()["jaxserve:compilations_after_warmup_total"] == 0
