@@ -94,6 +94,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "by its model field")
     g.add_argument("--max-loras", type=int, default=4, help="adapter slots on the device")
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (every slot is this wide)")
+    g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory, least recently "
+                   "used evicted (re-read from disk when a slot needs them) (default: --max-loras)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON shape, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (prompt lookup: drafts copied from '
@@ -159,7 +161,8 @@ def _engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  
         dtype=None if args.dtype == "auto" else args.dtype, quantization=args.quantization, mesh_shape=mesh,
         attention_backend=args.attention_backend, compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,
         seed=args.seed, speculative_config=args.speculative_config, enable_lora=args.enable_lora,
-        lora_modules=tuple(args.lora_modules), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+        lora_modules=tuple(args.lora_modules), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras)
 
 
 def _size_fields(args: argparse.Namespace) -> dict:

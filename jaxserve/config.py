@@ -270,17 +270,19 @@ class EngineConfig:
     # multi-LoRA: adapters (name, PEFT directory) loaded at start-up into max_loras slots of rank max_lora_rank
     enable_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()
-    max_loras: int = 4
+    max_loras: int = 4                       # device slots
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None         # adapters kept in host memory (LRU; None: max_loras)
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
-        if self.enable_lora and len(self.lora_modules) > self.max_loras:
-            raise ValueError(f"{len(self.lora_modules)} LoRA adapters need --max-loras >= {len(self.lora_modules)} "
-                             f"(got {self.max_loras}); adapters beyond the device slots are not served yet")
+        if self.enable_lora and (self.max_loras < 1 or self.max_lora_rank < 1):
+            raise ValueError(f"--max-loras and --max-lora-rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})")
         names = [name for name, _ in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names must be distinct, got {names}")

@@ -107,6 +107,11 @@ class EngineCore:
     def num_kv_pages(self) -> int:
         return self.runner.num_pages
 
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters requests may name (--lora-modules)."""
+        return tuple(self.runner.lora.paths) if self.runner.lora is not None else ()
+
     def add_request(self, request: Request) -> Request:
         """Validates and queues a request; raises ValueError naming the problem. Every request gets
         a seed (a random one when it has none), so every sample row is reproducible."""
@@ -122,10 +127,9 @@ class EngineCore:
         if params.ignore_eos:
             request = dataclasses.replace(request, eos_token_ids=frozenset())
         if request.lora_name is not None:
-            slots = self.runner.lora_slots
-            if request.lora_name not in slots:
-                raise ValueError(f"unknown LoRA adapter {request.lora_name!r}; loaded: {', '.join(slots) or 'none'}")
-            request = dataclasses.replace(request, lora_slot=slots[request.lora_name])
+            names = self.lora_names
+            if request.lora_name not in names:
+                raise ValueError(f"unknown LoRA adapter {request.lora_name!r}; served: {', '.join(names) or 'none'}")
         self.scheduler.add(request)
         return request
 
@@ -188,6 +192,8 @@ class EngineCore:
 
     def _dispatch_forward(self, plan: StepPlan, prev_plan: StepPlan | None) -> tuple[StepInputs, Any]:
         t0 = time.perf_counter()
+        for slot, name in plan.lora_loads:  # an adapter's first step: into its slot first (device order)
+            self.runner.load_lora(slot, name)
         inputs = self.runner.builder.build(plan, prev_plan)
         t1 = time.perf_counter()
         logits = self.runner.forward(inputs)

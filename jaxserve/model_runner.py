@@ -113,10 +113,7 @@ class ModelRunner:
         self._prev_ids = self._put(np.zeros(self._rows_width, np.int32))
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> [rows, W] int32 all-ones bitmask
         self.draft = DraftRunner(*draft, engine_cfg, mesh, self.dtype, self._put) if draft is not None else None
-        self.lora_slots: dict[str, int] = {}   # adapter name -> device slot
-        self._lora = None                       # per layer: module -> (a, b) slot factors, on the device
-        if engine_cfg.enable_lora:
-            self._load_adapters()
+        self.lora = self._lora_slots() if engine_cfg.enable_lora else None
         self.warmed_up = False
         self.compilations_after_warmup = 0
 
@@ -178,24 +175,26 @@ class ModelRunner:
     def _forward_args(self, arrays: StepArrays) -> dict[str, Any]:
         packed, spec = pack(arrays)
         return dict(kv=self.kv, packed=self._put(packed), spec=spec, cfg=self.model_cfg,
-                    attention_fn=self._attention, prev_ids=self._prev_ids, lora=self._lora)
+                    attention_fn=self._attention, prev_ids=self._prev_ids,
+                    lora=self.lora.arrays if self.lora is not None else None)
 
-    def _load_adapters(self) -> None:
-        """Every --lora-modules adapter into its own slot (start-up; checked against the model)."""
-        from jaxserve.lora.adapter import load_adapter
-        from jaxserve.lora.slots import stack
+    def _lora_slots(self) -> "DeviceSlots":
+        """Every --lora-modules adapter read and checked now; slots filled as requests need them."""
+        from jaxserve.lora.device_slots import DeviceSlots
 
         cfg = self.engine_cfg
         if self._kv_heads_duplicated:
             raise ValueError("LoRA with KV heads duplicated over a model axis wider than the KV head count is not "
                              "supported yet: use a model axis that divides the KV heads")
-        adapters = [load_adapter(path, self.model_cfg, cfg.max_lora_rank, name) for name, path in cfg.lora_modules]
-        self.lora_slots = {a.name: i for i, a in enumerate(adapters)}
-        slots = stack([*adapters, *[None] * (cfg.max_loras - len(adapters))], self.model_cfg, cfg.max_lora_rank)
-        self._lora = self._put([{m: (jnp.asarray(a, self.dtype), jnp.asarray(b, self.dtype))
-                                 for m, (a, b) in layer.items()} for layer in slots])
-        logger.info("LoRA: %d adapter(s) in %d slots of rank %d: %s", len(adapters), cfg.max_loras,
-                    cfg.max_lora_rank, ", ".join(f"{a.name} (rank {a.rank}, {'/'.join(a.modules)})" for a in adapters))
+        slots = DeviceSlots(self.model_cfg, cfg, self.dtype, self._put)
+        logger.info("LoRA: %d adapter(s), %d device slots of rank %d: %s", len(slots.adapters), cfg.max_loras,
+                    cfg.max_lora_rank, ", ".join(f"{n} (rank {r}, {'/'.join(m)})" for n, (r, m) in slots.adapters.items()))
+        return slots
+
+    def load_lora(self, slot: int, name: str) -> None:
+        before = CompileCounter.count()
+        self.lora.load(slot, name)
+        self._count_compilations(before, what=f"loading LoRA adapter {name!r} into slot {slot}")
 
     def _forward(self, arrays: StepArrays) -> tuple[jax.Array, kv_cache.KVPages]:
         return forward_step(self.weights, **self._forward_args(arrays))
@@ -259,6 +258,8 @@ class ModelRunner:
                 progress(done, len(programs), p.name)
         if self.draft is not None:
             logger.info("draft model: %d programs warmed up", self.draft.warmup(self._prev_ids))
+        if self.lora is not None:
+            self.lora.warmup()
         self.warmed_up = True
         seconds = time.perf_counter() - start
         logger.info("warm-up compiled %d programs in %.1fs", len(programs), seconds)

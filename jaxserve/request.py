@@ -25,7 +25,6 @@ class Request:
     # params.structured_outputs compiled by the front end (server, LLM) before submitting
     grammar: "CompiledGrammar | None" = None
     lora_name: str | None = None                 # multi-LoRA: the adapter (None: the base model)
-    lora_slot: int = -1                          # its device slot, set by the engine at submission
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -85,6 +84,7 @@ class Sequence:
     # the scheduler step from which it proposes again (it backs off after repeated misses).
     draft_misses: int = 0
     draft_resume_step: int = 0
+    lora_slot: int = -1                # multi-LoRA: the device slot it pins while admitted (-1: none)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -50,6 +50,7 @@ from typing import Any
 
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import FinishReason, Request, Sequence, SequenceStatus, TokenEvent
+from jaxserve.lora.slot_table import SlotTable
 from jaxserve.spec.drafting import Drafting
 from jaxserve.spec.stats import SpecDecodeStats
 
@@ -84,6 +85,7 @@ class ScheduledChunk:
     sample: bool                 # chunk ends at the sequence's last token: one token is sampled
     output_token_ids: list[int]  # generated tokens so far; the live list, read it before update(); it lacks
                                  # the in-flight token (its count: start_pos + len(token_ids) - prompt length)
+    lora_slot: int = -1          # multi-LoRA: the adapter's device slot (-1: the base model)
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)  # speculative: the last
                                  # len(draft_token_ids) entries of token_ids, each also a sample row
 
@@ -102,6 +104,8 @@ class StepPlan:
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     preempted: list[str] = dataclasses.field(default_factory=list)        # seq ids sent back to waiting
     finished: list[TokenEvent] = dataclasses.field(default_factory=list)  # finishes without a step (abort)
+    # multi-LoRA: (slot, adapter name) to load into the device slots before the step runs
+    lora_loads: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     # seq_id -> the Sequence each chunk belongs to (update() must not look ids up again: a finished
     # request's id may be reused while its last step is still in flight)
     owners: dict[str, Sequence] = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -173,6 +177,7 @@ class Scheduler:
         self._outstanding = 0  # plans with chunks scheduled and not yet updated
         spec = getattr(cfg, "speculative_config", None)
         self.drafting = Drafting(spec) if spec is not None else None
+        self.lora_slots = SlotTable(cfg.max_loras) if getattr(cfg, "enable_lora", False) else None
 
     # ---- entry points (any thread) -------------------------------------------------------------
 
@@ -402,6 +407,9 @@ class Scheduler:
             first = min(leader.target_len - num_cached, st.budget)
             if not alloc.can_allocate(alloc.pages_needed(num_cached + first) - len(cached), holding=cached):
                 break  # head of line waits: no skipping, so nobody starves
+            lora = leader.request.lora_name
+            if lora is not None and not self.lora_slots.available(lora):
+                break  # every adapter slot is held by running sequences of other adapters
             self._waiting.pop(0)
             alloc.open(leader.seq_id, namespace, cached, num_query_tokens=len(tokens))
             st.cache_hit_tokens += num_cached
@@ -409,6 +417,10 @@ class Scheduler:
                 leader.num_cached_prompt_tokens = num_cached
             leader.num_computed_tokens = num_cached
             for seq in unit:
+                if lora is not None:
+                    seq.lora_slot, load = self.lora_slots.acquire(lora)
+                    if load:
+                        st.plan.lora_loads.append((seq.lora_slot, lora))
                 seq.status = SequenceStatus.RUNNING
                 seq.admitted_once = True
                 self._seqs[seq.seq_id] = seq
@@ -463,7 +475,7 @@ class Scheduler:
             seq_id=seq.seq_id, request=seq.request, sample_index=seq.sample_index,
             token_ids=token_ids + drafts, start_pos=start,
             page_table=list(alloc.page_table(seq.seq_id)), sample=stop == seq.num_tokens + seq.num_inflight,
-            output_token_ids=seq.output_token_ids, draft_token_ids=drafts)
+            output_token_ids=seq.output_token_ids, lora_slot=seq.lora_slot, draft_token_ids=drafts)
         st.plan.chunks.append(chunk)
         st.plan.copies.extend(copies)
         st.scheduled[seq.seq_id] = chunk
@@ -510,6 +522,7 @@ class Scheduler:
         for seq in unit:
             if self.allocator.has_sequence(seq.seq_id):
                 self.allocator.free(seq.seq_id)
+            self._release_lora(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self._running.remove(seq)
@@ -548,6 +561,7 @@ class Scheduler:
         """Finished: pages released (full ones stay in the prefix cache as evictable)."""
         if self.allocator.has_sequence(seq.seq_id):
             self.allocator.free(seq.seq_id)
+        self._release_lora(seq)
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:  # a preempted sequence's in-flight token stopped it
@@ -559,6 +573,11 @@ class Scheduler:
         if all(s.status is SequenceStatus.FINISHED for s in self._requests[request_id]):
             del self._requests[request_id]
             del self._order[request_id]
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = -1
 
     def _remove(self, request_id: str, sample_index: int | None, is_abort: bool, plan: StepPlan) -> None:
         seqs = self._requests.get(request_id)

@@ -117,7 +117,7 @@ class StepInputBuilder:
             lora_slot = np.full(t_bucket, -1, np.int32)
             t = 0
             for c in chunks:
-                lora_slot[t:t + len(c.token_ids)] = c.request.lora_slot
+                lora_slot[t:t + len(c.token_ids)] = c.lora_slot
                 t += len(c.token_ids)
         arrays = StepArrays(token_ids, positions, token_seq, slots, cu, seq_lens, page_tables,
                             np.array([len(chunks)], np.int32), logits_index, prev_row, lora_slot)

@@ -112,7 +112,7 @@ class ServerState:
             reasoning, tools = self.config.parsers()
             self.model = ModelContext(self.config.served_model_names, core.engine_cfg.max_model_len,
                                       core.model_cfg.vocab_size, tokenizer, reasoning, tools,
-                                      self.config.enable_auto_tool_choice, tuple(core.runner.lora_slots))
+                                      self.config.enable_auto_tool_choice, core.lora_names)
             self.strings = TokenStrings(lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
                                         tokenizer.convert_ids_to_tokens)
             self.load_seconds = time.monotonic() - start

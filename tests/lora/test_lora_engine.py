@@ -78,5 +78,30 @@ def test_prefix_cache_pages_are_never_shared_across_adapters(setup):
 
 def test_unknown_adapter_is_refused_naming_it(setup):
     core, _ = setup
-    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'; loaded: a1, a2, a3"):
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'; served: a1, a2, a3"):
         core.add_request(Request("x", [1, 2], greedy(2), lora_name="nope"))
+
+
+def test_eight_adapters_cycle_through_four_slots_under_load(tmp_path):
+    """8 adapters, 4 device slots, 2 kept in host memory: 16 adapter requests and 2 base ones at
+    once (8 run at a time); every output is its merged model's, slots are reloaded as adapters
+    come and go, and nothing compiles after warm-up."""
+    base_dir, _ = make_hf_model("qwen2-bias", tmp_path / "base", seed=6)
+    names = [f"t{i}" for i in range(8)]
+    expected = {}
+    for i, name in enumerate(names):
+        _, fresh = make_hf_model("qwen2-bias", tmp_path / f"copy{i}", seed=6)
+        merged = write_adapter(fresh, tmp_path / name, seed=10 + i, r=4 + 2 * (i % 3)).merge_and_unload()
+        expected[name] = [_hf_greedy(merged, p) for p in PROMPTS]
+    _, base = make_hf_model("qwen2-bias", tmp_path / "copy-base", seed=6)
+    expected[None] = [_hf_greedy(base, p) for p in PROMPTS]
+    cfg, weights = load_model(base_dir, make_mesh(1, 1))
+    core = make_core(cfg, weights, enable_lora=True, max_loras=4, max_lora_rank=8, max_cpu_loras=4,
+                     lora_modules=tuple((n, str(tmp_path / n)) for n in names))
+    out = run_all(core, _requests("cyc", [*names, None]))
+    for name in [*names, None]:
+        for i in range(len(PROMPTS)):
+            assert out[f"cyc-{name}-{i}"][0] == expected[name][i], (name, i)
+    assert core.runner.lora.num_loads >= 8 and core.scheduler.lora_slots.num_loads == core.runner.lora.num_loads
+    assert all(p == 0 for p in core.scheduler.lora_slots.pins)
+    assert core.runner.compilations_after_warmup == 0

@@ -1,0 +1,77 @@
+"""The adapters' device slots (owned by the ModelRunner, device state like it) and their host copies.
+
+Every `--lora-modules` adapter is read and checked at start-up, so a bad one fails the start with
+its problem named; at most `max_cpu_loras` stay in host memory (LRU), the rest are read from disk
+again when a slot needs them. `load(slot, name)` writes one adapter's factors into one slot of the
+resident [*, N, R] arrays with a jitted update (donated: no copy of the other slots; the slot index
+is data, so any slot and any adapter reuse one compiled program).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.lora.adapter import LoraAdapter, load_adapter
+from jaxserve.lora.slots import empty_slots, put as put_adapter
+
+
+def _write_slot(slots: list, slot: jax.Array, one: list) -> list:
+    """slots: per layer module -> (a [*in, N, R], b [N, R, *out]); one: the same with N = 1."""
+    def write(pair, new):
+        a, b = pair
+        na, nb = new
+        a = jax.lax.dynamic_update_slice_in_dim(a, na.astype(a.dtype), slot, axis=a.ndim - 2)
+        b = jax.lax.dynamic_update_slice_in_dim(b, nb.astype(b.dtype), slot, axis=0)
+        return a, b
+
+    return [{m: write(layer[m], new[m]) for m in layer} for layer, new in zip(slots, one)]
+
+
+_write_slot_step = jax.jit(_write_slot, donate_argnums=(0,))
+
+
+class DeviceSlots:
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: Any, put: Callable[[Any], Any]) -> None:
+        self.model_cfg = model_cfg
+        self.max_rank = engine_cfg.max_lora_rank
+        self.paths = dict(engine_cfg.lora_modules)
+        self._put = put
+        self._host: collections.OrderedDict[str, LoraAdapter] = collections.OrderedDict()
+        self._host_limit = engine_cfg.max_cpu_loras or engine_cfg.max_loras
+        self.adapters = {}  # name -> (rank, modules): what each registered adapter is, for logs and listings
+        for name, path in self.paths.items():
+            adapter = self._read(name)
+            self.adapters[name] = (adapter.rank, adapter.modules)
+        zeros = empty_slots(model_cfg, engine_cfg.max_loras, self.max_rank)
+        self.arrays = put([{m: (jnp.asarray(a, dtype), jnp.asarray(b, dtype)) for m, (a, b) in layer.items()}
+                           for layer in zeros])
+        self.num_loads = 0
+
+    def _read(self, name: str) -> LoraAdapter:
+        adapter = self._host.get(name)
+        if adapter is None:
+            adapter = load_adapter(self.paths[name], self.model_cfg, self.max_rank, name)
+            self._host[name] = adapter
+            while len(self._host) > self._host_limit:
+                self._host.popitem(last=False)
+        self._host.move_to_end(name)
+        return adapter
+
+    def load(self, slot: int, name: str) -> None:
+        """Writes adapter `name` into device slot `slot` (ordered after every step dispatched before)."""
+        one = empty_slots(self.model_cfg, 1, self.max_rank)
+        put_adapter(one, 0, self._read(name))
+        self.arrays = _write_slot_step(self.arrays, jnp.int32(slot), self._put(one))
+        self.num_loads += 1
+
+    def warmup(self) -> None:
+        """Compiles the slot write (an empty adapter into slot 0, which holds nothing yet)."""
+        one = empty_slots(self.model_cfg, 1, self.max_rank)
+        self.arrays = _write_slot_step(self.arrays, jnp.int32(0), self._put(one))
+        jax.block_until_ready(self.arrays)
+
