@@ -43,6 +43,7 @@ step with drafts before planning the next.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -129,6 +130,9 @@ class SchedulerStats:
     prefix_cache_queries: int   # prompt tokens looked up at admission
     prefix_cache_hits: int      # of those, tokens served from the cache
     num_preemptions: int
+    lora_running: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter -> running sequences
+    lora_waiting: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter -> waiting sequences
+    lora_slot_loads: int = 0    # adapters loaded into a device slot
 
 
 @dataclasses.dataclass
@@ -226,12 +230,16 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         with self._lock:
-            incoming = sum(len(u) for u in self._incoming)
+            incoming = [s for u in self._incoming for s in u]
+        waiting = [*incoming, *(s for u in self._waiting for s in u)]
+        lora_running = collections.Counter(s.request.lora_name for s in self._running if s.request.lora_name)
+        lora_waiting = collections.Counter(s.request.lora_name for s in waiting if s.request.lora_name)
         return SchedulerStats(
-            num_running=len(self._running), num_waiting=incoming + sum(len(u) for u in self._waiting),
+            num_running=len(self._running), num_waiting=len(waiting),
             num_free_pages=self.allocator.num_free_pages, num_total_pages=self.allocator.num_pages,
             prefix_cache_queries=self.allocator.stats.queries, prefix_cache_hits=self.allocator.stats.hits,
-            num_preemptions=self._num_preemptions)
+            num_preemptions=self._num_preemptions, lora_running=dict(lora_running), lora_waiting=dict(lora_waiting),
+            lora_slot_loads=self.lora_slots.num_loads if self.lora_slots is not None else 0)
 
     # ---- the step (engine thread) --------------------------------------------------------------
 

@@ -174,7 +174,30 @@ class _EngineCollector(Collector):
                     core.runner.compilations_after_warmup),
             self._cache_config(core),
             *self._spec_decode(core),
+            *self._lora(core, s),
         ]
+
+    def _lora(self, core: Any, s: Any) -> list[Metric]:
+        """Per adapter running / waiting sequences, vLLM's lora_requests_info, and slot loads."""
+        names = core.lora_names
+        if not names:
+            return []
+        out = []
+        for name, doc, counts in (("lora_num_requests_running", "Sequences running per LoRA adapter.", s.lora_running),
+                                  ("lora_num_requests_waiting", "Sequences waiting per LoRA adapter.", s.lora_waiting)):
+            g = GaugeMetricFamily(f"jaxserve:{name}", doc, labels=["model_name", "lora_name"])
+            for adapter in names:
+                g.add_metric([self.model_name, adapter], counts.get(adapter, 0))
+            out.append(g)
+        info = GaugeMetricFamily("jaxserve:lora_requests_info", "Adapters with running / waiting sequences "
+                                 "(labels, vLLM's shape); the value is 1.",
+                                 labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([self.model_name, ",".join(sorted(s.lora_running)), ",".join(sorted(s.lora_waiting)),
+                         str(core.engine_cfg.max_loras)], 1.0)
+        loads = CounterMetricFamily("jaxserve:lora_slot_loads", "LoRA adapters loaded into a device slot.",
+                                    labels=["model_name"])
+        loads.add_metric([self.model_name], s.lora_slot_loads)
+        return [*out, info, loads]
 
     def _spec_decode(self, core: Any) -> list[Metric]:
         """vLLM's spec_decode counters, when speculative decoding is configured."""

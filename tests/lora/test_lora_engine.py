@@ -76,8 +76,14 @@ def test_prefix_cache_pages_are_never_shared_across_adapters(setup):
     assert core.stats().prefix_cache_hits - hits == 36  # the same adapter: its 9 pages
 
 
-def test_unknown_adapter_is_refused_naming_it(setup):
+def test_waiting_counts_per_adapter_and_an_unknown_adapter_is_refused(setup):
     core, _ = setup
+    for i, name in enumerate(["a1", "a1", "a2", None]):   # nothing runs yet: all four wait
+        core.add_request(Request(f"w{i}", [1, 2, 3], greedy(2), lora_name=name))
+    stats = core.stats()
+    assert stats.lora_waiting == {"a1": 2, "a2": 1} and stats.lora_running == {}
+    while core.has_work():
+        core.step()
     with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'; served: a1, a2, a3"):
         core.add_request(Request("x", [1, 2], greedy(2), lora_name="nope"))
 

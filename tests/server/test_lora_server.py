@@ -59,4 +59,9 @@ def test_the_model_field_selects_the_adapter(lora_server):
     assert models["ad"]["parent"] == MODEL and models["ad"]["root"].endswith("adapter0")
     with pytest.raises(openai.NotFoundError, match="'nope' does not exist.*jaxserve-tiny, ad"):
         client.completions.create(model="nope", prompt="x", max_tokens=2)
-    assert server.wait_idle()["jaxserve:compilations_after_warmup_total"] == 0
+    m = server.wait_idle()
+    assert m["jaxserve:compilations_after_warmup_total"] == 0
+    assert m["jaxserve:lora_slot_loads_total"] == 1
+    assert m["jaxserve:lora_num_requests_running{lora_name=ad}"] == 0
+    assert m["jaxserve:lora_num_requests_waiting{lora_name=ad}"] == 0
+    assert m["jaxserve:lora_requests_info{max_lora=2,running_lora_adapters=,waiting_lora_adapters=}"] == 1
