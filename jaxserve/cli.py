@@ -236,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log one line per HTTP request")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g = s.add_argument_group("tools and reasoning")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints; needs "
+                   "--enable-lora)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='parse tool calls out of the output when a request sends tools with tool_choice "auto"')
     g.add_argument("--tool-call-parser", default=None, help="tool-call format of the model: hermes (Qwen2.5, Qwen3, "
@@ -328,7 +331,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                                   max_waiting_requests=args.max_waiting_requests,
                                   request_timeout=args.request_timeout, max_request_bytes=args.max_request_bytes,
                                   reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                                  enable_auto_tool_choice=args.enable_auto_tool_choice)
+                                  enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                  allow_runtime_lora_updating=args.allow_runtime_lora_updating)
         return serve(args.model, _engine_config(args, names[0]), server_cfg, args.host, args.port,
                      args.shutdown_timeout, args.log_level, args.access_log, not args.no_progress)
     if args.command == "generate":

@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import random
 import threading
+from concurrent.futures import Future
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -94,6 +95,8 @@ class EngineCore:
         self.num_sync_steps = 0        # async scheduling: steps finished before planning the next (penalties,
                                        # speculation)
         self._inflight: _InFlight | None = None
+        self._lora_lock = threading.Lock()  # adapter name checks vs run-time unloads
+        self._lora_unloads: list[tuple[str, Future[None]]] = []
         spec = self.scheduler.spec_stats
         self._spec_logged = (time.monotonic(), spec.copy()) if spec is not None else None
         if (sc := engine_cfg.speculative_config) is not None:
@@ -108,9 +111,54 @@ class EngineCore:
         return self.runner.num_pages
 
     @property
+    def lora_modules(self) -> dict[str, str]:
+        """name -> path of the LoRA adapters requests may name (--lora-modules, and those loaded at
+        run time)."""
+        return dict(self.runner.lora.paths) if self.runner.lora is not None else {}
+
+    @property
     def lora_names(self) -> tuple[str, ...]:
-        """The LoRA adapters requests may name (--lora-modules)."""
-        return tuple(self.runner.lora.paths) if self.runner.lora is not None else ()
+        return tuple(self.lora_modules)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Adds a PEFT adapter at run time (any thread); ValueError names the problem."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA is not enabled: start the server with --enable-lora")
+        if not isinstance(name, str) or not name:
+            raise ValueError("lora_name must be a non-empty string")
+        if name in self.lora_names:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        self.runner.lora.register(name, path)  # reads and checks it (not under the lock: slow)
+        logger.info("LoRA adapter %r loaded from %s", name, path)
+
+    def unload_lora_adapter(self, name: str) -> "Future[None]":
+        """Asks to remove an adapter (any thread). The engine thread decides at its next step, where
+        no admission is half done: the future then raises ValueError when sequences of it are
+        running or waiting (unload it once they finish), else the adapter is gone. LookupError at
+        once for an adapter that is not loaded."""
+        fut: Future[None] = Future()
+        with self._lora_lock:
+            if name not in self.lora_names:
+                fut.set_exception(LookupError(f"LoRA adapter {name!r} is not loaded"))
+            else:
+                self._lora_unloads.append((name, fut))
+        return fut
+
+    def _apply_lora_unloads(self) -> None:
+        """Engine thread, before planning: the queued unloads, under the lock add_request checks
+        names with (so no request of an adapter can slip in as it goes)."""
+        with self._lora_lock:
+            pending, self._lora_unloads = self._lora_unloads, []
+            for name, fut in pending:
+                busy = self.scheduler.num_sequences_of_lora(name)
+                if busy:
+                    fut.set_exception(ValueError(f"LoRA adapter {name!r} has {busy} sequence(s) running or waiting; "
+                                                 "unload it when they have finished"))
+                    continue
+                self.runner.lora.unregister(name)
+                self.scheduler.unload_lora(name)
+                fut.set_result(None)
+                logger.info("LoRA adapter %r unloaded", name)
 
     def add_request(self, request: Request) -> Request:
         """Validates and queues a request; raises ValueError naming the problem. Every request gets
@@ -127,9 +175,12 @@ class EngineCore:
         if params.ignore_eos:
             request = dataclasses.replace(request, eos_token_ids=frozenset())
         if request.lora_name is not None:
-            names = self.lora_names
-            if request.lora_name not in names:
-                raise ValueError(f"unknown LoRA adapter {request.lora_name!r}; served: {', '.join(names) or 'none'}")
+            with self._lora_lock:  # against a concurrent unload of the same adapter
+                names = self.lora_names
+                if request.lora_name not in names:
+                    raise ValueError(f"unknown LoRA adapter {request.lora_name!r}; served: {', '.join(names) or 'none'}")
+                self.scheduler.add(request)
+            return request
         self.scheduler.add(request)
         return request
 
@@ -140,7 +191,7 @@ class EngineCore:
         self.scheduler.finish(request_id, sample_index)
 
     def has_work(self) -> bool:
-        return self._inflight is not None or self.scheduler.has_work()
+        return self._inflight is not None or bool(self._lora_unloads) or self.scheduler.has_work()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -180,6 +231,8 @@ class EngineCore:
     def _schedule(self) -> StepPlan:
         """The next plan; draft-model slots are filled here (a proposal runs the draft on the device)."""
         t0 = time.perf_counter()
+        if self._lora_unloads:
+            self._apply_lora_unloads()
         plan = self.scheduler.schedule()
         if self.runner.draft is not None and plan.has_drafts:
             self.scheduler.set_drafts(plan, self.runner.propose(plan))

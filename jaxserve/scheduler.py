@@ -182,6 +182,7 @@ class Scheduler:
         spec = getattr(cfg, "speculative_config", None)
         self.drafting = Drafting(spec) if spec is not None else None
         self.lora_slots = SlotTable(cfg.max_loras) if getattr(cfg, "enable_lora", False) else None
+        self._lora_unloaded: list[str] = []  # adapters unloaded at run time: their slots are freed in schedule()
 
     # ---- entry points (any thread) -------------------------------------------------------------
 
@@ -224,6 +225,19 @@ class Scheduler:
         with self._lock:
             self._removals.append((request_id, sample_index, False))
 
+    def unload_lora(self, name: str) -> None:
+        """An adapter unloaded at run time (no request of it in flight): its slot is freed at the
+        next schedule()."""
+        with self._lock:
+            self._lora_unloaded.append(name)
+
+    def num_sequences_of_lora(self, name: str) -> int:
+        """Unfinished sequences (running, waiting, just added) of adapter `name` (engine thread)."""
+        with self._lock:
+            incoming = [s for u in self._incoming for s in u]
+        queued = (s for u in self._waiting for s in u)
+        return sum(s.request.lora_name == name for s in (*incoming, *queued, *self._running))
+
     def has_work(self) -> bool:
         with self._lock:
             return bool(self._incoming or self._removals or self._running or self._waiting)
@@ -257,6 +271,9 @@ class Scheduler:
         with self._lock:
             incoming, self._incoming = self._incoming, []
             removals, self._removals = self._removals, []
+            unloaded, self._lora_unloaded = self._lora_unloaded, []
+        for name in unloaded:
+            self.lora_slots.forget(name)
         self._waiting.extend(incoming)
         for request_id, sample_index, is_abort in removals:
             self._remove(request_id, sample_index, is_abort, st.plan)

@@ -38,7 +38,9 @@ def delta(module: str, x: jax.Array, factors: tuple[jax.Array, jax.Array], one_h
 
 
 def add(y: jax.Array, module: str, x: jax.Array, lora: tuple[dict, jax.Array] | None) -> jax.Array:
-    """y + the adapters' update when `lora` (this layer's factors, one_hot) adapts `module`."""
+    """y + the adapters' update when `lora` (this layer's factors, one_hot) adapts `module`; a batch
+    in which no token uses an adapter skips the products (under `lax.cond`)."""
     if lora is None or module not in lora[0]:
         return y
-    return y + delta(module, x, lora[0][module], lora[1])
+    factors, one_hot = lora
+    return jax.lax.cond(jnp.any(one_hot > 0), lambda: y + delta(module, x, factors[module], one_hot), lambda: y)

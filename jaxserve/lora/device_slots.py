@@ -52,6 +52,18 @@ class DeviceSlots:
                            for layer in zeros])
         self.num_loads = 0
 
+    def register(self, name: str, path: str) -> None:
+        """Adds an adapter at run time (checked by the caller with load_adapter; any thread: only
+        plain dict updates here, the engine thread reads it into host memory when a slot needs it)."""
+        adapter = load_adapter(path, self.model_cfg, self.max_rank, name)
+        self.adapters[name] = (adapter.rank, adapter.modules)
+        self.paths[name] = path
+
+    def unregister(self, name: str) -> None:
+        """Removes an adapter no request uses (the caller checked); its host copy goes with it."""
+        del self.paths[name]
+        del self.adapters[name]
+
     def _read(self, name: str) -> LoraAdapter:
         adapter = self._host.get(name)
         if adapter is None:

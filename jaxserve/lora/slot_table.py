@@ -41,6 +41,15 @@ class SlotTable:
         self._used[slot] = self._clock
         return slot, load
 
+    def forget(self, name: str) -> None:
+        """An unloaded adapter leaves its slot (unpinned by then), so a later adapter of the same
+        name is loaded afresh."""
+        if name in self.names:
+            slot = self.names.index(name)
+            if self.pins[slot]:
+                raise RuntimeError(f"LoRA adapter {name!r} is unloaded while {self.pins[slot]} sequence(s) hold it")
+            self.names[slot] = None
+
     def release(self, slot: int) -> None:
         if self.pins[slot] <= 0:
             raise RuntimeError(f"LoRA slot {slot} released more often than acquired")

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jaxserve.server import generation
+from jaxserve.server import generation, lora_admin
 from jaxserve.server.errors import APIError, bad_request, internal, overloaded, too_large, unauthorized
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.grammars import request_grammar
@@ -80,8 +80,14 @@ def build_app(loader: Loader, config: ServerConfig) -> Starlette:
         if state.core is not None:  # LoRA adapters, as vLLM lists them: parent = the base model
             data += [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "jaxserve",
                       "root": path, "parent": config.served_model_names[0], "max_model_len": max_len}
-                     for name, path in state.core.engine_cfg.lora_modules]
+                     for name, path in state.core.lora_modules.items()]
         return JSONResponse({"object": "list", "data": data})
+
+    async def load_lora(request: Request) -> Response:
+        return await lora_admin.load(state, request, await _read_body(request, config.max_request_bytes))
+
+    async def unload_lora(request: Request) -> Response:
+        return await lora_admin.unload(state, request, await _read_body(request, config.max_request_bytes))
 
     async def health(request: Request) -> Response:
         engine = state.engine
@@ -99,6 +105,9 @@ def build_app(loader: Loader, config: ServerConfig) -> Starlette:
         Route("/v1/completions", guarded(completions, True), methods=["POST"]),
         Route("/v1/chat/completions", guarded(chat, True), methods=["POST"]),
         Route("/v1/models", guarded(models, True), methods=["GET"]),
+        *([Route("/v1/load_lora_adapter", guarded(load_lora, True), methods=["POST"]),
+           Route("/v1/unload_lora_adapter", guarded(unload_lora, True), methods=["POST"])]
+          if config.allow_runtime_lora_updating else []),
         Route("/health", guarded(health, False), methods=["GET"]),
         Route("/metrics", guarded(metrics, False), methods=["GET"]),
     ]

@@ -111,3 +111,19 @@ def test_eight_adapters_cycle_through_four_slots_under_load(tmp_path):
     assert core.runner.lora.num_loads >= 8 and core.scheduler.lora_slots.num_loads == core.runner.lora.num_loads
     assert all(p == 0 for p in core.scheduler.lora_slots.pins)
     assert core.runner.compilations_after_warmup == 0
+
+
+def test_mixed_adapters_on_a_two_way_model_axis(setup, tmp_path):
+    """TP=2 (the base weights sharded, the adapter slots replicated): the same outputs."""
+    core, expected = setup
+    base_dir = next(iter(core.engine_cfg.lora_modules))[1].rsplit("/", 1)[0] + "/base"
+    mesh = make_mesh(1, 2)
+    cfg, weights = load_model(base_dir, mesh)
+    sharded = make_core(cfg, weights, mesh=mesh, enable_lora=True, max_loras=2, max_lora_rank=8,
+                        lora_modules=core.engine_cfg.lora_modules)
+    names = [*ADAPTERS, None]
+    out = run_all(sharded, _requests("tp", names))
+    for name in names:
+        for i in range(len(PROMPTS)):
+            assert out[f"tp-{name}-{i}"][0] == expected[name][i], (name, i)
+    assert sharded.runner.compilations_after_warmup == 0

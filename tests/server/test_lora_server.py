@@ -37,9 +37,13 @@ def lora_server(tmp_path_factory):
     expected = {MODEL: greedy(hf)}
     adapter_dir = tmp_path_factory.mktemp("adapter")
     expected["ad"] = greedy(write_adapter(hf, adapter_dir, seed=5, r=8).merge_and_unload())
+    late_dir = tmp_path_factory.mktemp("late")
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    expected["late"] = greedy(write_adapter(fresh, late_dir, seed=6, r=4).merge_and_unload())
     cfg = EngineConfig(model_id=MODEL, enable_lora=True, lora_modules=(("ad", str(adapter_dir)),), max_loras=2,
                        max_lora_rank=8, **TEST_ENGINE)
-    server = start_server(load_engine_core(None, cfg))
+    server = start_server(load_engine_core(None, cfg), allow_runtime_lora_updating=True)
+    server.late_dir = late_dir
     yield server, expected
     server.stop()
 
@@ -53,7 +57,7 @@ def test_the_model_field_selects_the_adapter(lora_server):
                                         extra_body={"ignore_eos": True})
         texts[name] = out.choices[0].text
     tok = server.state.tokenizer
-    assert texts == {name: tok.decode(ids) for name, ids in expected.items()}
+    assert texts == {name: tok.decode(expected[name]) for name in texts}
     assert texts[MODEL] != texts["ad"]
     models = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
     assert models["ad"]["parent"] == MODEL and models["ad"]["root"].endswith("adapter0")
@@ -65,3 +69,36 @@ def test_the_model_field_selects_the_adapter(lora_server):
     assert m["jaxserve:lora_num_requests_running{lora_name=ad}"] == 0
     assert m["jaxserve:lora_num_requests_waiting{lora_name=ad}"] == 0
     assert m["jaxserve:lora_requests_info{max_lora=2,running_lora_adapters=,waiting_lora_adapters=}"] == 1
+
+
+def _post(server, path, body):
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def test_adapters_load_and_unload_at_run_time(lora_server):
+    server, expected = lora_server
+    client = client_for(server)
+    r = _post(server, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(server.late_dir)})
+    assert r.status_code == 200 and "late" in r.text
+    out = client.completions.create(model="late", prompt=PROMPT, max_tokens=NEW, temperature=0.0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == server.state.tokenizer.decode(expected["late"])
+    assert "late" in {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+    for body, status, words in (({"lora_name": "late", "lora_path": str(server.late_dir)}, 400, "already loaded"),
+                                ({"lora_name": "x", "lora_path": "/nonexistent"}, 400, "no adapter_config.json"),
+                                ({"lora_name": "x"}, 400, "'lora_path' must be a non-empty string")):
+        r = _post(server, "/v1/load_lora_adapter", body)
+        assert r.status_code == status and words in r.json()["error"]["message"], r.text
+    # unloading an adapter with a request in flight is refused; once it has finished, it goes
+    stream = client.completions.create(model="late", prompt=PROMPT, max_tokens=200, temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    r = _post(server, "/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert r.status_code == 400 and "running or waiting" in r.json()["error"]["message"]
+    assert sum(1 for _ in stream) > 0
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 200
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="late", prompt="x", max_tokens=2)
+    assert "late" not in {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+    assert server.wait_idle()["jaxserve:compilations_after_warmup_total"] == 0
