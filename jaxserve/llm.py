@@ -152,9 +152,10 @@ class LLM:
         return self._grammars
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Runs every prompt (text or token ids) through the continuous-batching engine."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_name: str | None = None) -> list[RequestOutput]:
+        """Runs every prompt (text or token ids) through the continuous-batching engine (on LoRA
+        adapter `lora_name` when given: LLM(enable_lora=True, lora_modules=((name, path), ...)))."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -167,7 +168,8 @@ class LLM:
             grammar = None
             if params.structured_outputs is not None:
                 grammar = self.grammars.compile(params.structured_outputs)
-            request = self.core.add_request(Request(rid, ids, params, self.tokenizer.eos_token_ids, grammar=grammar))
+            request = self.core.add_request(Request(rid, ids, params, self.tokenizer.eos_token_ids, grammar=grammar,
+                                                    lora_name=lora_name))
             states[rid] = _OfflineRequest(request, self.tokenizer)
             order.append(rid)
         while self.core.has_work():
