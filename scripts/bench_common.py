@@ -180,3 +180,22 @@ def replace_marked_section(path: Path, start_marker: str, end_marker: str, body:
 
 def python_cmd() -> str:
     return sys.executable
+
+
+def run_requests(core, requests: Sequence) -> dict[str, float]:
+    """Adds `requests` to an EngineCore at once and steps it until idle: output tokens/s over the
+    wall time and the median over requests of TPOT ((last token - first) / (tokens - 1)), in ms,
+    from the engine's own step loop (no HTTP)."""
+    for r in requests:
+        core.add_request(r)
+    times: dict[str, list[float]] = {}
+    t0 = time.perf_counter()
+    while core.has_work():
+        events = core.step()
+        now = time.perf_counter()
+        for e in events:
+            if e.token_id is not None:
+                times.setdefault(e.request_id, []).append(now)
+    wall = time.perf_counter() - t0
+    tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]
+    return {"tokens_per_s": sum(map(len, times.values())) / wall, "tpot_ms": median(tpots) * 1e3}

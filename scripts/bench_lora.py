@@ -19,7 +19,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_common import cpu_model  # noqa: E402
+from bench_common import cpu_model, run_requests  # noqa: E402
 from bench_engine import PRESETS, preset_config  # noqa: E402
 
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -62,21 +61,10 @@ def run_once(core, batch: int, prompt_len: int, max_tokens: int, adapters: list[
 
     rng = random.Random(seed)
     vocab = core.model_cfg.vocab_size
-    for i in range(batch):
-        core.add_request(Request(f"r{seed}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
-                                 SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                                 lora_name=adapters[i % len(adapters)]))
-    times: dict[str, list[float]] = {}
-    t0 = time.perf_counter()
-    while core.has_work():
-        events = core.step()
-        now = time.perf_counter()
-        for e in events:
-            if e.token_id is not None:
-                times.setdefault(e.request_id, []).append(now)
-    wall = time.perf_counter() - t0
-    tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]
-    return {"tokens_per_s": sum(map(len, times.values())) / wall, "tpot_ms": statistics.median(tpots) * 1e3}
+    return run_requests(core, [
+        Request(f"r{seed}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
+                SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                lora_name=adapters[i % len(adapters)]) for i in range(batch)])
 
 
 def main(argv: list[str] | None = None) -> int:

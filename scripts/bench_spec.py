@@ -23,14 +23,13 @@ import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_common import cpu_model  # noqa: E402
+from bench_common import cpu_model, run_requests  # noqa: E402
 from bench_engine import PRESETS, preset_config  # noqa: E402
 
 WORKLOADS = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0, top_p=0.95)}
@@ -55,20 +54,10 @@ def run_once(core, batch: int, prompt_len: int, max_tokens: int, workload: str, 
     vocab = core.model_cfg.vocab_size
     stats = core.scheduler.spec_stats
     before = stats.copy() if stats is not None else None
-    for i in range(batch):
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=seed * 1000 + i, **WORKLOADS[workload])
-        core.add_request(Request(f"r{seed}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)], params))
-    times: dict[str, list[float]] = {}
-    t0 = time.perf_counter()
-    while core.has_work():
-        events = core.step()
-        now = time.perf_counter()
-        for e in events:
-            if e.token_id is not None:
-                times.setdefault(e.request_id, []).append(now)
-    wall = time.perf_counter() - t0
-    tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]
-    row = {"tpot_ms": statistics.median(tpots) * 1e3, "tokens_per_s": sum(map(len, times.values())) / wall}
+    row = run_requests(core, [
+        Request(f"r{seed}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
+                SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=seed * 1000 + i, **WORKLOADS[workload]))
+        for i in range(batch)])
     if stats is not None:
         d = stats.since(before)
         row.update(mean_acceptance_length=d.mean_acceptance_length, acceptance_rate=d.acceptance_rate,
