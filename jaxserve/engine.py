@@ -29,8 +29,8 @@ import dataclasses
 import logging
 import random
 import threading
-from concurrent.futures import Future
 import time
+from concurrent.futures import Future
 from typing import Any, AsyncIterator, Callable
 
 import jax.numpy as jnp

@@ -49,9 +49,9 @@ import logging
 import threading
 from typing import Any
 
+from jaxserve.lora.slot_table import SlotTable
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import FinishReason, Request, Sequence, SequenceStatus, TokenEvent
-from jaxserve.lora.slot_table import SlotTable
 from jaxserve.spec.drafting import Drafting
 from jaxserve.spec.stats import SpecDecodeStats
 
