@@ -88,6 +88,18 @@ def abstract_weights(model_cfg: ModelConfig, dtype: Any, mesh: Mesh,
     return weights_mod.abstract_arrays(model_cfg, dtype, mesh, rules)
 
 
+def abstract_lora(model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: Any, placement: Any) -> Any:
+    """The LoRA slot factors as ShapeDtypeStructs (lora/slots.py layout), or None without LoRA."""
+    if not engine_cfg.enable_lora:
+        return None
+    from jaxserve.lora.adapter import MODULES, shapes
+
+    dims, n, r = shapes(model_cfg), engine_cfg.max_loras, engine_cfg.max_lora_rank
+    sds = lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=placement)  # noqa: E731
+    return [{m: (sds((*dims[m][0], n, r)), sds((n, r, *dims[m][1]))) for m in MODULES}
+            for _ in range(model_cfg.num_layers)]
+
+
 def kv_dtype(engine_cfg: EngineConfig, dtype: Any) -> np.dtype:
     """The KV pages' storage dtype: --kv-cache-dtype, or the compute dtype for "auto"."""
     return kv_quant.storage_dtype(engine_cfg.kv_cache_dtype, dtype)
@@ -108,10 +120,12 @@ def lower_program(program: Program, model_cfg: ModelConfig, engine_cfg: EngineCo
     num_pages, page_size = engine_cfg.num_kv_pages, engine_cfg.page_size
     kv = kv_cache.abstract(model_cfg, num_pages, page_size, kv_dtype(engine_cfg, dtype), mesh, rules)
     if program.kind == "forward":
-        packed, spec = host(dummy_arrays(program, engine_cfg.max_pages_per_seq, num_pages * page_size))
+        packed, spec = host(dummy_arrays(program, engine_cfg.max_pages_per_seq, num_pages * page_size,
+                                         engine_cfg.enable_lora))
         prev_ids = jax.ShapeDtypeStruct((rows_width(engine_cfg),), jnp.int32, sharding=replicated)
         return forward_step.lower(abstract_weights(model_cfg, dtype, mesh, rules), kv=kv, packed=packed, spec=spec,
-                                  cfg=model_cfg, attention_fn=attention_fn, prev_ids=prev_ids)
+                                  cfg=model_cfg, attention_fn=attention_fn, prev_ids=prev_ids,
+                                  lora=abstract_lora(model_cfg, engine_cfg, dtype, replicated))
     if program.kind == "sample":
         packed, spec = host(dummy_sampling(program.rows, program.history))
         resolved = sharding.rules_for(weights_mod.logical_dims(model_cfg), mesh, rules)

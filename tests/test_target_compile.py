@@ -80,3 +80,20 @@ def test_speculative_draft_row_programs_compile_for_tpu():
     for program in extra:
         compiled = lower_program(program, cfg, engine, mesh, "bfloat16", attention, layout.rules).compile()
         assert compiled.memory_analysis() is not None, program.name
+
+
+def test_lora_forward_compiles_for_tpu():
+    """A LoRA-enabled forward (slot one-hots, the masked products under lax.cond, slots replicated)
+    compiles for a v6e-4 with TP=4 at the decode and the largest bucket."""
+    import dataclasses
+
+    cfg = ModelConfig.from_hf(FAMILIES["qwen3"])
+    engine = dataclasses.replace(ENGINE, enable_lora=True, max_loras=4, max_lora_rank=16)
+    devices = parse_target("tpu-v6e:2x2").devices()
+    layout = make_layout("tp", len(devices), 4)
+    mesh = make_mesh(1, layout.tp, devices)
+    attention = make_attention("auto", cfg, mesh, layout.rules)
+    forwards = [p for p in serving_programs(engine, cfg) if p.kind == "forward"]
+    for program in (forwards[0], forwards[-1]):
+        compiled = lower_program(program, cfg, engine, mesh, "bfloat16", attention, layout.rules).compile()
+        assert "tpu_custom_call" in compiled.as_text(), program.name
