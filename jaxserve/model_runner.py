@@ -186,7 +186,7 @@ class ModelRunner:
         if self._kv_heads_duplicated:
             raise ValueError("LoRA with KV heads duplicated over a model axis wider than the KV head count is not "
                              "supported yet: use a model axis that divides the KV heads")
-        slots = DeviceSlots(self.model_cfg, cfg, self.dtype, self._put)
+        slots = DeviceSlots(self.model_cfg, cfg, self.dtype, self.mesh, self._put)
         logger.info("LoRA: %d adapter(s), %d device slots of rank %d: %s", len(slots.adapters), cfg.max_loras,
                     cfg.max_lora_rank, ", ".join(f"{n} (rank {r}, {'/'.join(m)})" for n, (r, m) in slots.adapters.items()))
         return slots

@@ -88,16 +88,18 @@ def abstract_weights(model_cfg: ModelConfig, dtype: Any, mesh: Mesh,
     return weights_mod.abstract_arrays(model_cfg, dtype, mesh, rules)
 
 
-def abstract_lora(model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: Any, placement: Any) -> Any:
-    """The LoRA slot factors as ShapeDtypeStructs (lora/slots.py layout), or None without LoRA."""
+def abstract_lora(model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: Any, mesh: Mesh,
+                  rules: sharding.Rules = sharding.DEFAULT_RULES) -> Any:
+    """The LoRA slot factors as ShapeDtypeStructs placed as serving places them, or None without LoRA."""
     if not engine_cfg.enable_lora:
         return None
-    from jaxserve.lora.adapter import MODULES, shapes
+    from jaxserve.lora.adapter import shapes
+    from jaxserve.lora.device_slots import slot_shardings
 
     dims, n, r = shapes(model_cfg), engine_cfg.max_loras, engine_cfg.max_lora_rank
-    sds = lambda shape: jax.ShapeDtypeStruct(shape, dtype, sharding=placement)  # noqa: E731
-    return [{m: (sds((*dims[m][0], n, r)), sds((n, r, *dims[m][1]))) for m in MODULES}
-            for _ in range(model_cfg.num_layers)]
+    return [{m: (jax.ShapeDtypeStruct((*dims[m][0], n, r), dtype, sharding=sa),
+                 jax.ShapeDtypeStruct((n, r, *dims[m][1]), dtype, sharding=sb)) for m, (sa, sb) in layer.items()}
+            for layer in slot_shardings(model_cfg, engine_cfg, mesh, rules)]
 
 
 def kv_dtype(engine_cfg: EngineConfig, dtype: Any) -> np.dtype:
@@ -125,7 +127,7 @@ def lower_program(program: Program, model_cfg: ModelConfig, engine_cfg: EngineCo
         prev_ids = jax.ShapeDtypeStruct((rows_width(engine_cfg),), jnp.int32, sharding=replicated)
         return forward_step.lower(abstract_weights(model_cfg, dtype, mesh, rules), kv=kv, packed=packed, spec=spec,
                                   cfg=model_cfg, attention_fn=attention_fn, prev_ids=prev_ids,
-                                  lora=abstract_lora(model_cfg, engine_cfg, dtype, replicated))
+                                  lora=abstract_lora(model_cfg, engine_cfg, dtype, mesh, rules))
     if program.kind == "sample":
         packed, spec = host(dummy_sampling(program.rows, program.history))
         resolved = sharding.rules_for(weights_mod.logical_dims(model_cfg), mesh, rules)

@@ -83,7 +83,7 @@ def test_speculative_draft_row_programs_compile_for_tpu():
 
 
 def test_lora_forward_compiles_for_tpu():
-    """A LoRA-enabled forward (slot one-hots, the masked products under lax.cond, slots replicated)
+    """A LoRA-enabled forward (slot one-hots, the masked products under lax.cond, slots sharded like the layers)
     compiles for a v6e-4 with TP=4 at the decode and the largest bucket."""
     import dataclasses
 

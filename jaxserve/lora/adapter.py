@@ -51,6 +51,13 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]
             "gate_proj": ((d,), (f,)), "up_proj": ((d,), (f,)), "down_proj": ((f,), (d,))}
 
 
+# module -> (logical axes of its input dims, of its output dims): slots are split like the weight they modify
+LOGICAL_AXES = {"q_proj": (("embed",), ("q_heads", "head_dim")), "k_proj": (("embed",), ("kv_heads", "head_dim")),
+                "v_proj": (("embed",), ("kv_heads", "head_dim")), "o_proj": (("q_heads", "head_dim"), ("embed",)),
+                "gate_proj": (("embed",), ("mlp",)), "up_proj": (("embed",), ("mlp",)),
+                "down_proj": (("mlp",), ("embed",))}
+
+
 def _config(path: Path) -> dict[str, Any]:
     file = path / "adapter_config.json"
     if not file.is_file():

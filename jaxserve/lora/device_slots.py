@@ -1,5 +1,10 @@
 """The adapters' device slots (owned by the ModelRunner, device state like it) and their host copies.
 
+Under tensor parallelism a slot's factors are split like the weight they modify (`slot_shardings`):
+the output dims of b for q/k/v/gate/up (heads, mlp), the input dims of a for o/down, the slot and
+rank axes never, so each device multiplies its own shard and the sums meet where the base
+projection's do.
+
 Every `--lora-modules` adapter is read and checked at start-up, so a bad one fails the start with
 its problem named; at most `max_cpu_loras` stay in host memory (LRU), the rest are read from disk
 again when a slot needs them. `load(slot, name)` writes one adapter's factors into one slot of the
@@ -15,9 +20,26 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh
+
+from jaxserve import sharding
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.lora.adapter import LoraAdapter, load_adapter
+from jaxserve.lora.adapter import LOGICAL_AXES, MODULES, LoraAdapter, load_adapter, shapes
 from jaxserve.lora.slots import empty_slots, put as put_adapter
+from jaxserve.model import weights as weights_mod
+
+
+def slot_shardings(model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh,
+                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> list[dict[str, tuple[Any, Any]]]:
+    """Per layer, module -> (sharding of a [*in, N, R], of b [N, R, *out]) on `mesh`."""
+    resolved = sharding.rules_for(weights_mod.logical_dims(model_cfg), mesh, rules)
+    dims, n, r = shapes(model_cfg), engine_cfg.max_loras, engine_cfg.max_lora_rank
+    layer = {}
+    for m in MODULES:
+        (ins, outs), (in_dims, out_dims) = LOGICAL_AXES[m], dims[m]
+        layer[m] = (sharding.named(mesh, *ins, None, None, rules=resolved, shape=(*in_dims, n, r)),
+                    sharding.named(mesh, None, None, *outs, rules=resolved, shape=(n, r, *out_dims)))
+    return [layer] * model_cfg.num_layers
 
 
 def _write_slot(slots: list, slot: jax.Array, one: list) -> list:
@@ -36,7 +58,9 @@ _write_slot_step = jax.jit(_write_slot, donate_argnums=(0,))
 
 
 class DeviceSlots:
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: Any, put: Callable[[Any], Any]) -> None:
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: Any, mesh: Mesh,
+                 put: Callable[[Any], Any]) -> None:
+        """put: places host arrays replicated on the mesh (the one-slot updates)."""
         self.model_cfg = model_cfg
         self.max_rank = engine_cfg.max_lora_rank
         self.paths = dict(engine_cfg.lora_modules)
@@ -48,8 +72,8 @@ class DeviceSlots:
             adapter = self._read(name)
             self.adapters[name] = (adapter.rank, adapter.modules)
         zeros = empty_slots(model_cfg, engine_cfg.max_loras, self.max_rank)
-        self.arrays = put([{m: (jnp.asarray(a, dtype), jnp.asarray(b, dtype)) for m, (a, b) in layer.items()}
-                           for layer in zeros])
+        self.arrays = jax.device_put([{m: (a.astype(dtype), b.astype(dtype)) for m, (a, b) in layer.items()}
+                                      for layer in zeros], slot_shardings(model_cfg, engine_cfg, mesh))
         self.num_loads = 0
 
     def register(self, name: str, path: str) -> None:

@@ -114,13 +114,18 @@ def test_eight_adapters_cycle_through_four_slots_under_load(tmp_path):
 
 
 def test_mixed_adapters_on_a_two_way_model_axis(setup, tmp_path):
-    """TP=2 (the base weights sharded, the adapter slots replicated): the same outputs."""
+    """TP=2 (the base weights and the adapter slots sharded alike): the same outputs."""
     core, expected = setup
     base_dir = next(iter(core.engine_cfg.lora_modules))[1].rsplit("/", 1)[0] + "/base"
     mesh = make_mesh(1, 2)
     cfg, weights = load_model(base_dir, mesh)
     sharded = make_core(cfg, weights, mesh=mesh, enable_lora=True, max_loras=2, max_lora_rank=8,
                         lora_modules=core.engine_cfg.lora_modules)
+    layer = sharded.runner.lora.arrays[0]
+    spec = lambda x: tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))  # noqa: E731
+    assert spec(layer["q_proj"][1]) == (None, None, "model", None)    # b over the q heads
+    assert spec(layer["o_proj"][0]) == ("model", None, None, None)    # a over the q heads (its input)
+    assert spec(layer["down_proj"][0]) == ("model", None, None)       # a over mlp (its input)
     names = [*ADAPTERS, None]
     out = run_all(sharded, _requests("tp", names))
     for name in names:
