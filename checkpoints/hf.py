@@ -29,18 +29,19 @@ from jaxserve.quant import host as quant_host
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def resolve_model_dir(name_or_path: str | Path) -> Path:
-    """A local directory, or a hub id found in huggingface_hub's local cache (never downloads)."""
+def resolve_model_dir(name_or_path: str | Path, marker: str = "config.json", what: str = "model") -> Path:
+    """A local directory, or a hub id found in huggingface_hub's local cache (never downloads).
+    `marker`: the file the directory must hold (a LoRA adapter's is adapter_config.json)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+        if not (path / marker).is_file():
+            raise FileNotFoundError(f"{path} has no {marker}: not a Hugging Face {what} directory")
         return path
     if path.exists():
-        raise ValueError(f"{path} is a file; pass the model directory that holds config.json")
+        raise ValueError(f"{path} is a file; pass the {what} directory that holds {marker}")
     name = str(name_or_path)
     if name.count("/") != 1 or name.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model directory {name!r} does not exist")
+        raise FileNotFoundError(f"{what} directory {name!r} does not exist")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
     try:
@@ -49,10 +50,10 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
         why = "" if isinstance(e, LocalEntryNotFoundError) else f" ({type(e).__name__}: {e})"
         # `from None`: the hub's chained traceback says nothing the message does not.
         raise FileNotFoundError(
-            f"model {name!r} is neither a local directory nor in the Hugging Face cache "
+            f"{what} {name!r} is neither a local directory nor in the Hugging Face cache "
             f"({constants.HF_HUB_CACHE}){why}, and jaxserve never downloads. Fetch it first with "
             f"`hf download {name}` (on a machine with network access; the `hf` command comes with "
-            f"huggingface_hub), or pass a local directory with config.json and *.safetensors.") from None
+            f"huggingface_hub), or pass a local directory with {marker} and *.safetensors.") from None
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

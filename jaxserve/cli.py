@@ -89,9 +89,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seeds the random seeds of requests that bring none")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters on the base model")
     g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
-                   help="PEFT adapter directories (adapter_config.json + adapter_model.safetensors) loaded at start-up; "
-                   "a request selects one "
-                   "by its model field")
+                   help="PEFT adapters (directories with adapter_config.json + adapter_model.safetensors, or hub "
+                   "ids in the local Hugging Face cache) loaded at start-up; a request selects one by its model field")
     g.add_argument("--max-loras", type=int, default=4, help="adapter slots on the device")
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (every slot is this wide)")
     g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory, least recently "

@@ -59,10 +59,7 @@ LOGICAL_AXES = {"q_proj": (("embed",), ("q_heads", "head_dim")), "k_proj": (("em
 
 
 def _config(path: Path) -> dict[str, Any]:
-    file = path / "adapter_config.json"
-    if not file.is_file():
-        raise ValueError(f"LoRA adapter {path}: no adapter_config.json (a PEFT adapter directory has it)")
-    cfg = json.loads(file.read_text())
+    cfg = json.loads((path / "adapter_config.json").read_text())
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {path}: peft_type {cfg['peft_type']!r} is not LORA")
     unsupported = {
@@ -81,11 +78,15 @@ def _config(path: Path) -> dict[str, Any]:
 
 
 def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, name: str | None = None) -> LoraAdapter:
-    """Reads and checks a PEFT adapter directory against the base model `cfg`; ValueError names
-    the problem."""
-    from checkpoints.hf import read_safetensors
+    """Reads and checks a PEFT adapter (a directory, or a hub id in huggingface_hub's local cache)
+    against the base model `cfg`; ValueError names the problem."""
+    from checkpoints.hf import read_safetensors, resolve_model_dir
 
-    path = Path(path)
+    name = name or Path(path).name  # a directory's name, or a hub id's last part
+    try:
+        path = resolve_model_dir(path, "adapter_config.json", "LoRA adapter")
+    except FileNotFoundError as e:
+        raise ValueError(f"LoRA adapter {path}: {e}") from None
     meta = _config(path)
     rank = meta.get("r")
     if not isinstance(rank, int) or rank < 1:
@@ -124,4 +125,4 @@ def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int, name: str | 
                              f"(an adapter of another base model: {meta.get('base_model_name_or_path')!r}?)")
         factors[(layer, module)] = (a.T.reshape(*in_dims, rank), (scaling * b.T).reshape(rank, *out_dims))
     modules = tuple(m for m in MODULES if any(key[1] == m for key in factors))
-    return LoraAdapter(name or path.name, path, rank, scaling, meta.get("base_model_name_or_path"), modules, factors)
+    return LoraAdapter(name, path, rank, scaling, meta.get("base_model_name_or_path"), modules, factors)

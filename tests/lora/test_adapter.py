@@ -104,3 +104,22 @@ def test_unsupported_target_modules_and_another_base_model_are_refused(qwen3, tm
     write_adapter(wide_hf, tmp_path / "wide", seed=1)
     with pytest.raises(ValueError, match="another base model"):
         load_adapter(tmp_path / "wide", cfg, MAX_RANK)
+
+
+def test_an_adapter_is_found_by_hub_id_in_the_local_cache(qwen3, tmp_path, monkeypatch):
+    """A hub id resolves through huggingface_hub's cache (never a download); an uncached one is named."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    cfg, hf, _ = qwen3
+    write_adapter(hf, tmp_path / "written", seed=2, r=4)
+    snapshot = tmp_path / "hub" / "models--someone--tiny-lora" / "snapshots" / "0123abcd"
+    shutil.copytree(tmp_path / "written", snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    adapter = load_adapter("someone/tiny-lora", cfg, MAX_RANK)
+    assert adapter.path == snapshot and adapter.rank == 4 and adapter.name == "tiny-lora"
+    with pytest.raises(ValueError, match="'someone/other' is neither a local directory nor in the Hugging Face cache"):
+        load_adapter("someone/other", cfg, MAX_RANK)

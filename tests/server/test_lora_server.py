@@ -85,7 +85,7 @@ def test_adapters_load_and_unload_at_run_time(lora_server):
     assert out.choices[0].text == server.state.tokenizer.decode(expected["late"])
     assert "late" in {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
     for body, status, words in (({"lora_name": "late", "lora_path": str(server.late_dir)}, 400, "already loaded"),
-                                ({"lora_name": "x", "lora_path": "/nonexistent"}, 400, "no adapter_config.json"),
+                                ({"lora_name": "x", "lora_path": "/nonexistent"}, 400, "does not exist"),
                                 ({"lora_name": "x"}, 400, "'lora_path' must be a non-empty string")):
         r = _post(server, "/v1/load_lora_adapter", body)
         assert r.status_code == status and words in r.json()["error"]["message"], r.text
