@@ -79,12 +79,13 @@ class ModelRunner:
         CompileCounter.install()
         # A model axis wider than the KV head count holds one duplicated KV head per device.
         kv_heads = model_cfg.num_kv_heads
+        checkpoint_cfg = model_cfg  # what adapters are checked against (KV heads as stored)
         model_cfg, weights = duplicate_kv_heads(model_cfg, weights, mesh)
         if model_cfg.num_kv_heads != kv_heads:
             logger.info("KV heads duplicated %d -> %d: one per device of the %d-way model axis", kv_heads,
                         model_cfg.num_kv_heads, mesh.shape[sharding.MODEL_AXIS])
         self.model_cfg = model_cfg
-        self._kv_heads_duplicated = model_cfg.num_kv_heads != kv_heads
+        self._checkpoint_cfg = checkpoint_cfg
         self.mesh = mesh
         self.weights = weights
         self.dtype = jnp.dtype(dtype)
@@ -183,10 +184,7 @@ class ModelRunner:
         from jaxserve.lora.device_slots import DeviceSlots
 
         cfg = self.engine_cfg
-        if self._kv_heads_duplicated:
-            raise ValueError("LoRA with KV heads duplicated over a model axis wider than the KV head count is not "
-                             "supported yet: use a model axis that divides the KV heads")
-        slots = DeviceSlots(self.model_cfg, cfg, self.dtype, self.mesh, self._put)
+        slots = DeviceSlots(self.model_cfg, cfg, self.dtype, self.mesh, self._put, self._checkpoint_cfg)
         logger.info("LoRA: %d adapter(s), %d device slots of rank %d: %s", len(slots.adapters), cfg.max_loras,
                     cfg.max_lora_rank, ", ".join(f"{n} (rank {r}, {'/'.join(m)})" for n, (r, m) in slots.adapters.items()))
         return slots

@@ -39,6 +39,17 @@ def preset_config(name: str) -> dict:
                 tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, dtype="float32", **PRESETS[name])
 
 
+def preset_model(name: str):
+    """(ModelConfig, float32 random weights, seed 0) of a preset."""
+    import jax.numpy as jnp
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.model.weights import init_random
+
+    cfg = ModelConfig.from_hf(preset_config(name))
+    return cfg, init_random(cfg, seed=0, dtype=jnp.float32)
+
+
 def run_batch(model_cfg, weights, batch: int, context: int, steps: int, repeats: int,
               breakdown: bool = False, kv_cache_dtype: str = "auto") -> dict:
     from jaxserve.config import EngineConfig

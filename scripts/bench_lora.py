@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_common import cpu_model, run_requests  # noqa: E402
-from bench_engine import PRESETS, preset_config  # noqa: E402
+from bench_engine import PRESETS, preset_model  # noqa: E402
 
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -79,15 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
 
-    import jax.numpy as jnp
-
-    from jaxserve.config import EngineConfig, ModelConfig
+    from jaxserve.config import EngineConfig
     from jaxserve.engine import EngineCore
-    from jaxserve.model.weights import init_random
     from jaxserve.sharding import make_mesh
 
-    model_cfg = ModelConfig.from_hf(preset_config(args.preset))
-    weights = init_random(model_cfg, seed=0, dtype=jnp.float32)
+    model_cfg, weights = preset_model(args.preset)
     names = [f"adapter{i}" for i in range(args.adapters)]
     with tempfile.TemporaryDirectory() as d:
         for i, name in enumerate(names):

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_common import cpu_model, run_requests  # noqa: E402
-from bench_engine import PRESETS, preset_config  # noqa: E402
+from bench_engine import PRESETS, preset_model  # noqa: E402
 
 WORKLOADS = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0, top_p=0.95)}
 
@@ -79,13 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
 
-    import jax.numpy as jnp
-
-    from jaxserve.config import ModelConfig
-    from jaxserve.model.weights import init_random
-
-    model_cfg = ModelConfig.from_hf(preset_config(args.preset))
-    weights = init_random(model_cfg, seed=0, dtype=jnp.float32)
+    model_cfg, weights = preset_model(args.preset)
     batches = [int(b) for b in args.batches.split(",")]
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
     if args.disable_by_batch_size is not None:

@@ -15,10 +15,12 @@ is data, so any slot and any adapter reuse one compiled program).
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax.sharding import Mesh
 
@@ -59,9 +61,14 @@ _write_slot_step = jax.jit(_write_slot, donate_argnums=(0,))
 
 class DeviceSlots:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: Any, mesh: Mesh,
-                 put: Callable[[Any], Any]) -> None:
-        """put: places host arrays replicated on the mesh (the one-slot updates)."""
+                 put: Callable[[Any], Any], checkpoint_cfg: ModelConfig | None = None) -> None:
+        """model_cfg: the served model (KV heads possibly duplicated over a wide model axis:
+        model/kv_heads.py); checkpoint_cfg: the model as stored, which adapters are checked against
+        (their K/V factors are then repeated like the K/V projections); put: places host arrays
+        replicated on the mesh (the one-slot updates)."""
         self.model_cfg = model_cfg
+        self.checkpoint_cfg = checkpoint_cfg or model_cfg
+        self._kv_repeat = model_cfg.num_kv_heads // self.checkpoint_cfg.num_kv_heads
         self.max_rank = engine_cfg.max_lora_rank
         self.paths = dict(engine_cfg.lora_modules)
         self._put = put
@@ -79,7 +86,7 @@ class DeviceSlots:
     def register(self, name: str, path: str) -> None:
         """Adds an adapter at run time (checked by the caller with load_adapter; any thread: only
         plain dict updates here, the engine thread reads it into host memory when a slot needs it)."""
-        adapter = load_adapter(path, self.model_cfg, self.max_rank, name)
+        adapter = load_adapter(path, self.checkpoint_cfg, self.max_rank, name)
         self.adapters[name] = (adapter.rank, adapter.modules)
         self.paths[name] = path
 
@@ -91,7 +98,11 @@ class DeviceSlots:
     def _read(self, name: str) -> LoraAdapter:
         adapter = self._host.get(name)
         if adapter is None:
-            adapter = load_adapter(self.paths[name], self.model_cfg, self.max_rank, name)
+            adapter = load_adapter(self.paths[name], self.checkpoint_cfg, self.max_rank, name)
+            if self._kv_repeat > 1:  # b [r, Hkv, hd] of k/v: each KV head repeated as the projections are
+                adapter = dataclasses.replace(adapter, factors={
+                    key: (a, np.repeat(b, self._kv_repeat, axis=1) if key[1] in ("k_proj", "v_proj") else b)
+                    for key, (a, b) in adapter.factors.items()})
             self._host[name] = adapter
             while len(self._host) > self._host_limit:
                 self._host.popitem(last=False)

@@ -147,3 +147,20 @@ def test_greedy_generation_with_an_adapter_equals_the_merged_model(variant, tmp_
     out = run_all(core, [Request(f"g{i}", p, greedy(NEW), lora_name="ad") for i, p in enumerate(PROMPTS)])
     assert [out[f"g{i}"][0] for i in range(len(PROMPTS))] == [_hf_greedy(merged, p) for p in PROMPTS]
     assert core.runner.compilations_after_warmup == 0
+
+
+def test_adapters_with_kv_heads_duplicated_over_a_four_way_model_axis(setup):
+    """TP=4 on a 2-KV-head model: the KV heads are duplicated (model/kv_heads.py), and so are the
+    adapters' K/V factors; outputs unchanged."""
+    core, expected = setup
+    base_dir = next(iter(core.engine_cfg.lora_modules))[1].rsplit("/", 1)[0] + "/base"
+    mesh = make_mesh(1, 4)
+    cfg, weights = load_model(base_dir, mesh)
+    wide = make_core(cfg, weights, mesh=mesh, enable_lora=True, max_loras=4, max_lora_rank=8,
+                     lora_modules=core.engine_cfg.lora_modules)
+    assert wide.runner.model_cfg.num_kv_heads == 4 and cfg.num_kv_heads == 2
+    names = [*ADAPTERS, None]
+    out = run_all(wide, _requests("kvdup", names))
+    for name in names:
+        for i in range(len(PROMPTS)):
+            assert out[f"kvdup-{name}-{i}"][0] == expected[name][i], (name, i)
