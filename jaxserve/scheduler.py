@@ -233,10 +233,8 @@ class Scheduler:
 
     def num_sequences_of_lora(self, name: str) -> int:
         """Unfinished sequences (running, waiting, just added) of adapter `name` (engine thread)."""
-        with self._lock:
-            incoming = [s for u in self._incoming for s in u]
-        queued = (s for u in self._waiting for s in u)
-        return sum(s.request.lora_name == name for s in (*incoming, *queued, *self._running))
+        running, waiting = self._lora_counts()
+        return running[name] + waiting[name]
 
     def has_work(self) -> bool:
         with self._lock:
@@ -244,16 +242,22 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         with self._lock:
-            incoming = [s for u in self._incoming for s in u]
-        waiting = [*incoming, *(s for u in self._waiting for s in u)]
-        lora_running = collections.Counter(s.request.lora_name for s in self._running if s.request.lora_name)
-        lora_waiting = collections.Counter(s.request.lora_name for s in waiting if s.request.lora_name)
+            incoming = sum(len(u) for u in self._incoming)
+        lora_running, lora_waiting = self._lora_counts() if self.lora_slots is not None else ({}, {})
         return SchedulerStats(
-            num_running=len(self._running), num_waiting=len(waiting),
+            num_running=len(self._running), num_waiting=incoming + sum(len(u) for u in self._waiting),
             num_free_pages=self.allocator.num_free_pages, num_total_pages=self.allocator.num_pages,
             prefix_cache_queries=self.allocator.stats.queries, prefix_cache_hits=self.allocator.stats.hits,
             num_preemptions=self._num_preemptions, lora_running=dict(lora_running), lora_waiting=dict(lora_waiting),
             lora_slot_loads=self.lora_slots.num_loads if self.lora_slots is not None else 0)
+
+    def _lora_counts(self) -> tuple[collections.Counter, collections.Counter]:
+        """(adapter -> running sequences, adapter -> waiting ones, just added included)."""
+        with self._lock:
+            incoming = [s for u in self._incoming for s in u]
+        waiting = [*incoming, *(s for u in self._waiting for s in u)]
+        count = lambda seqs: collections.Counter(s.request.lora_name for s in seqs if s.request.lora_name)  # noqa: E731
+        return count(self._running), count(waiting)
 
     # ---- the step (engine thread) --------------------------------------------------------------
 

@@ -81,6 +81,7 @@ class StepInputBuilder:
         page_tables = np.zeros((s_bucket, self.cfg.max_pages_per_seq), np.int32)
         logits_index = np.zeros(l_bucket, np.int32)
         prev_row = np.full(t_bucket, -1, np.int32)
+        lora_slot = np.full(t_bucket, -1, np.int32) if self.cfg.enable_lora else None
         prev_rows: dict[str, int] | None = None
         rows: list[SamplingRow] = []
         t = 0
@@ -89,6 +90,8 @@ class StepInputBuilder:
             pos = np.arange(c.start_pos, c.start_pos + n, dtype=np.int32)
             table = np.asarray(c.page_table, np.int32)
             token_ids[t:t + n] = c.token_ids
+            if lora_slot is not None:
+                lora_slot[t:t + n] = c.lora_slot
             if c.token_ids[-1] == PENDING_TOKEN:  # only ever a 1-token decode
                 if prev_rows is None:
                     prev_rows = _sample_rows(prev_plan)
@@ -112,13 +115,6 @@ class StepInputBuilder:
                                             [*outputs, *c.draft_token_ids[:j]] if j else outputs,
                                             c.request.eos_token_ids, c.request.grammar is not None))
         cu[len(chunks) + 1:] = t
-        lora_slot = None
-        if self.cfg.enable_lora:
-            lora_slot = np.full(t_bucket, -1, np.int32)
-            t = 0
-            for c in chunks:
-                lora_slot[t:t + len(c.token_ids)] = c.lora_slot
-                t += len(c.token_ids)
         arrays = StepArrays(token_ids, positions, token_seq, slots, cu, seq_lens, page_tables,
                             np.array([len(chunks)], np.int32), logits_index, prev_row, lora_slot)
         sampling = SamplingTensors.from_rows(rows, l_bucket, self.vocab_size)

@@ -199,3 +199,11 @@ def run_requests(core, requests: Sequence) -> dict[str, float]:
     wall = time.perf_counter() - t0
     tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]
     return {"tokens_per_s": sum(map(len, times.values())) / wall, "tpot_ms": median(tpots) * 1e3}
+
+
+def engine_run_args(ap, prompt_len: int = 128, max_tokens: int = 128, repeats: int = 3) -> None:
+    """The flags of an engine-loop benchmark's workload (bench_spec, bench_lora)."""
+    ap.add_argument("--prompt-len", type=int, default=prompt_len, help="random prompt tokens per request")
+    ap.add_argument("--max-tokens", type=int, default=max_tokens, help="output tokens per request")
+    ap.add_argument("--repeats", type=int, default=repeats, help="interleaved repeats; the median is reported")
+    ap.add_argument("--json-out", help="write the rows as JSON here")

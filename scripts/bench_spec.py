@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_common import cpu_model, run_requests  # noqa: E402
+from bench_common import cpu_model, engine_run_args, run_requests  # noqa: E402
 from bench_engine import PRESETS, preset_model  # noqa: E402
 
 WORKLOADS = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0, top_p=0.95)}
@@ -73,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
                     help="the speculative config's disable_by_batch_size (default: unset)")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json-out")
+    engine_run_args(ap)
     args = ap.parse_args(argv)
 
     model_cfg, weights = preset_model(args.preset)

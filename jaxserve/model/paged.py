@@ -40,7 +40,7 @@ def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arra
 
     lora_inputs = None
     if lora is not None:
-        num_slots = next(iter(lora[0].values()))[1].shape[0]
+        num_slots = next(iter(lora[0].values()))[1].shape[0]  # any module's b: [N, R, *out]
         one_hot = (arrays.lora_slot[:, None] == jnp.arange(num_slots)[None, :]).astype(jnp.float32)  # [T, N]
         lora_inputs = LoraInputs(lora, one_hot)
     logits, layers = forward(weights, cfg, token_ids, arrays.positions, attend, kv.layers(),

@@ -43,7 +43,21 @@ def setup(tmp_path_factory):
     cfg, weights = load_model(base_dir, make_mesh(1, 1))
     core = make_core(cfg, weights, enable_lora=True, max_loras=4, max_lora_rank=8,
                      lora_modules=tuple((name, str(d / name)) for name in ADAPTERS))
-    return core, expected
+    return core, expected, base_dir
+
+
+def _assert_outputs(out, tag, names, expected):
+    for name in names:
+        for i in range(len(PROMPTS)):
+            assert out[f"{tag}-{name}-{i}"][0] == expected[name][i], (name, i)
+
+
+def _on_model_axis(base_dir, lora_modules, model_axis: int, max_loras: int):
+    """A LoRA core over the same base checkpoint and adapters on a 1 x model_axis mesh."""
+    mesh = make_mesh(1, model_axis)
+    cfg, weights = load_model(base_dir, mesh)
+    return make_core(cfg, weights, mesh=mesh, enable_lora=True, max_loras=max_loras, max_lora_rank=8,
+                     lora_modules=lora_modules), cfg
 
 
 def _requests(tag, names):
@@ -52,12 +66,10 @@ def _requests(tag, names):
 
 
 def test_mixed_adapters_in_one_batch_equal_their_merged_models(setup):
-    core, expected = setup
+    core, expected, _ = setup
     names = [*ADAPTERS, None]
     out = run_all(core, _requests("mix", names))
-    for name in names:
-        for i in range(len(PROMPTS)):
-            assert out[f"mix-{name}-{i}"][0] == expected[name][i], (name, i)
+    _assert_outputs(out, "mix", names, expected)
     assert len({tuple(out[f"mix-{n}-0"][0]) for n in names}) == len(names)  # adapters do change outputs
     alone = run_all(core, _requests("alone", ["a2"])[:1])
     assert alone["alone-a2-0"][0] == expected["a2"][0]
@@ -65,7 +77,7 @@ def test_mixed_adapters_in_one_batch_equal_their_merged_models(setup):
 
 
 def test_prefix_cache_pages_are_never_shared_across_adapters(setup):
-    core, _ = setup
+    core, _, _ = setup
     prompt = list(range(3, 40))                      # 37 tokens: 9 full pages of 4
     hits = core.stats().prefix_cache_hits
     run_all(core, [Request("p1", prompt, greedy(2), lora_name="a1")])
@@ -77,7 +89,7 @@ def test_prefix_cache_pages_are_never_shared_across_adapters(setup):
 
 
 def test_waiting_counts_per_adapter_and_an_unknown_adapter_is_refused(setup):
-    core, _ = setup
+    core, _, _ = setup
     for i, name in enumerate(["a1", "a1", "a2", None]):   # nothing runs yet: all four wait
         core.add_request(Request(f"w{i}", [1, 2, 3], greedy(2), lora_name=name))
     stats = core.stats()
@@ -104,10 +116,7 @@ def test_eight_adapters_cycle_through_four_slots_under_load(tmp_path):
     cfg, weights = load_model(base_dir, make_mesh(1, 1))
     core = make_core(cfg, weights, enable_lora=True, max_loras=4, max_lora_rank=8, max_cpu_loras=4,
                      lora_modules=tuple((n, str(tmp_path / n)) for n in names))
-    out = run_all(core, _requests("cyc", [*names, None]))
-    for name in [*names, None]:
-        for i in range(len(PROMPTS)):
-            assert out[f"cyc-{name}-{i}"][0] == expected[name][i], (name, i)
+    _assert_outputs(run_all(core, _requests("cyc", [*names, None])), "cyc", [*names, None], expected)
     assert core.runner.lora.num_loads >= 8 and core.scheduler.lora_slots.num_loads == core.runner.lora.num_loads
     assert all(p == 0 for p in core.scheduler.lora_slots.pins)
     assert core.runner.compilations_after_warmup == 0
@@ -115,22 +124,15 @@ def test_eight_adapters_cycle_through_four_slots_under_load(tmp_path):
 
 def test_mixed_adapters_on_a_two_way_model_axis(setup, tmp_path):
     """TP=2 (the base weights and the adapter slots sharded alike): the same outputs."""
-    core, expected = setup
-    base_dir = next(iter(core.engine_cfg.lora_modules))[1].rsplit("/", 1)[0] + "/base"
-    mesh = make_mesh(1, 2)
-    cfg, weights = load_model(base_dir, mesh)
-    sharded = make_core(cfg, weights, mesh=mesh, enable_lora=True, max_loras=2, max_lora_rank=8,
-                        lora_modules=core.engine_cfg.lora_modules)
+    core, expected, base_dir = setup
+    sharded, _ = _on_model_axis(base_dir, core.engine_cfg.lora_modules, model_axis=2, max_loras=2)
     layer = sharded.runner.lora.arrays[0]
     spec = lambda x: tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))  # noqa: E731
     assert spec(layer["q_proj"][1]) == (None, None, "model", None)    # b over the q heads
     assert spec(layer["o_proj"][0]) == ("model", None, None, None)    # a over the q heads (its input)
     assert spec(layer["down_proj"][0]) == ("model", None, None)       # a over mlp (its input)
     names = [*ADAPTERS, None]
-    out = run_all(sharded, _requests("tp", names))
-    for name in names:
-        for i in range(len(PROMPTS)):
-            assert out[f"tp-{name}-{i}"][0] == expected[name][i], (name, i)
+    _assert_outputs(run_all(sharded, _requests("tp", names)), "tp", names, expected)
     assert sharded.runner.compilations_after_warmup == 0
 
 
@@ -152,15 +154,8 @@ def test_greedy_generation_with_an_adapter_equals_the_merged_model(variant, tmp_
 def test_adapters_with_kv_heads_duplicated_over_a_four_way_model_axis(setup):
     """TP=4 on a 2-KV-head model: the KV heads are duplicated (model/kv_heads.py), and so are the
     adapters' K/V factors; outputs unchanged."""
-    core, expected = setup
-    base_dir = next(iter(core.engine_cfg.lora_modules))[1].rsplit("/", 1)[0] + "/base"
-    mesh = make_mesh(1, 4)
-    cfg, weights = load_model(base_dir, mesh)
-    wide = make_core(cfg, weights, mesh=mesh, enable_lora=True, max_loras=4, max_lora_rank=8,
-                     lora_modules=core.engine_cfg.lora_modules)
+    core, expected, base_dir = setup
+    wide, cfg = _on_model_axis(base_dir, core.engine_cfg.lora_modules, model_axis=4, max_loras=4)
     assert wide.runner.model_cfg.num_kv_heads == 4 and cfg.num_kv_heads == 2
     names = [*ADAPTERS, None]
-    out = run_all(wide, _requests("kvdup", names))
-    for name in names:
-        for i in range(len(PROMPTS)):
-            assert out[f"kvdup-{name}-{i}"][0] == expected[name][i], (name, i)
+    _assert_outputs(run_all(wide, _requests("kvdup", names)), "kvdup", names, expected)
