@@ -99,9 +99,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, vLLM\'s JSON shape, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (prompt lookup: drafts copied from '
                    'the sequence\'s own earlier tokens) or \'{"method": "draft_model", "model": DIR, '
-                   '"num_speculative_tokens": 4}\' (a smaller model with the same tokenizer proposes); drafts are '
-                   'verified losslessly in the step; optional "disable_by_batch_size": N turns it off while more '
-                   'than N sequences are running or waiting (default: off)')
+                   '"num_speculative_tokens": 4}\' (a smaller model with the same tokenizer proposes) or '
+                   '\'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 4}\' (an EAGLE-3 head trained '
+                   'for the model, in the Hugging Face layout, reads its hidden states); drafts are verified '
+                   'losslessly in the step; optional "disable_by_batch_size": N turns it off while more than N '
+                   'sequences are running or waiting (default: off)')
 
 
 def _lora_module(text: str) -> tuple[str, str]:

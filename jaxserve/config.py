@@ -286,9 +286,6 @@ class EngineConfig:
         names = [name for name, _ in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names must be distinct, got {names}")
-        if self.speculative_config is not None and self.speculative_config.method == "eagle3":
-            raise ValueError("--speculative-config method 'eagle3' is not served yet; the served methods are "
-                             "'ngram' (prompt lookup) and 'draft_model'")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_pages",
                      "kv_cache_memory"):
             value = getattr(self, name)

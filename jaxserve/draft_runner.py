@@ -54,6 +54,43 @@ def check_compatible(target: ModelConfig, draft: ModelConfig) -> None:
                          f"{target.vocab_size}: a draft must use the target's tokenizer")
 
 
+def proposal_tables(chunks: Sequence[ScheduledChunk], max_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """([n, max_pages] page tables, [n] start positions) of the decode chunks a draft proposes for."""
+    tables = np.zeros((len(chunks), max_pages), np.int32)
+    for i, c in enumerate(chunks):
+        tables[i, :len(c.page_table)] = c.page_table
+    return tables, np.asarray([c.start_pos for c in chunks], np.int32)
+
+
+def proposal_arrays(buckets: Sequence[tuple[int, int]], page_size: int, pad_slot: int, tables: np.ndarray,
+                    starts: np.ndarray, offset: int, active: np.ndarray, token_ids: np.ndarray | None,
+                    prev_row: np.ndarray | None) -> StepArrays:
+    """One draft forward of one token per sequence (n = len(starts) rows, each its own sequence,
+    each sampling): row i at starts[i] + offset, its token given (token_ids) or the previous
+    forward's output at prev_row[i]. Rows not `active` write nothing (padding slot) and are ignored."""
+    n = len(starts)
+    t, s = choose_bucket(buckets, n, n)
+    rows = np.arange(n, dtype=np.int32)
+    pos = np.where(active, starts + offset, starts).astype(np.int32)
+    pad = lambda length, fill=0: np.full(length, fill, np.int32)  # noqa: E731
+    tok, position, token_seq, slots, prev = pad(t), pad(t), pad(t), pad(t, pad_slot), pad(t, -1)
+    seq_lens, cu, logits_index = pad(s), pad(s + 1, n), pad(s)
+    page_tables = np.zeros((s, tables.shape[1]), np.int32)
+    if token_ids is not None:
+        tok[:n] = token_ids
+    if prev_row is not None:
+        prev[:n] = prev_row
+    position[:n] = pos
+    token_seq[:n] = rows
+    slots[:n] = np.where(active, tables[rows, pos // page_size] * page_size + pos % page_size, pad_slot)
+    seq_lens[:n] = pos + 1
+    cu[:n + 1] = np.arange(n + 1)
+    page_tables[:n] = tables
+    logits_index[:n] = rows
+    return StepArrays(tok, position, token_seq, slots, cu, seq_lens, page_tables, np.array([n], np.int32),
+                      logits_index, prev)
+
+
 class DraftRunner:
     def __init__(self, cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh, dtype: Any,
                  put: Any) -> None:
@@ -87,42 +124,16 @@ class DraftRunner:
         Forward j writes position start + j of the rows still drafting (j < num_drafts[i]: their
         pages exist); finished rows write nothing (padding slot) and their ids are ignored."""
         n = len(chunks)
-        steps = max(num_drafts)
         wanted = np.asarray(num_drafts, np.int32)
-        t, s = choose_bucket(self._buckets, n, n)
-        ps = self.engine_cfg.page_size
-        tables = np.zeros((s, self.engine_cfg.max_pages_per_seq), np.int32)
-        starts = np.zeros(n, np.int32)
-        for i, c in enumerate(chunks):
-            tables[i, :len(c.page_table)] = c.page_table
-            starts[i] = c.start_pos
-        rows = np.arange(n, dtype=np.int32)
+        tables, starts = proposal_tables(chunks, self.engine_cfg.max_pages_per_seq)
+        first = np.asarray([c.token_ids[0] for c in chunks], np.int32)
         prev = self._zeros
         drafted = []
-        for j in range(steps):
-            active = j < wanted
-            pos = np.where(active, starts + j, starts)
-            token_ids = np.zeros(t, np.int32)
-            positions = np.zeros(t, np.int32)
-            token_seq = np.zeros(t, np.int32)
-            slots = np.full(t, self._pad_slot, np.int32)
-            prev_row = np.full(t, -1, np.int32)
-            seq_lens = np.zeros(s, np.int32)
-            cu = np.zeros(s + 1, np.int32)
-            logits_index = np.zeros(s, np.int32)
-            if j == 0:
-                token_ids[:n] = [c.token_ids[0] for c in chunks]
-            else:
-                prev_row[:n] = rows                          # the previous draft forward's argmax
-            positions[:n] = pos
-            token_seq[:n] = rows
-            slots[:n] = np.where(active, tables[rows, pos // ps] * ps + pos % ps, self._pad_slot)
-            seq_lens[:n] = pos + 1
-            cu[1:n + 1] = rows + 1
-            cu[n + 1:] = n
-            logits_index[:n] = rows
-            arrays = StepArrays(token_ids, positions, token_seq, slots, cu, seq_lens, tables,
-                                np.array([n], np.int32), logits_index, prev_row)
+        for j in range(max(num_drafts)):
+            # forward j: position start + j; the known last token first, then the previous argmax
+            arrays = proposal_arrays(self._buckets, self.engine_cfg.page_size, self._pad_slot, tables,
+                                     starts, j, j < wanted, first if j == 0 else None,
+                                     None if j == 0 else np.arange(n, dtype=np.int32))
             prev = _argmax_step(self._forward(arrays, prev), vocab_size=self.cfg.vocab_size, width=self._width)
             drafted.append(prev)
         ids = np.stack(jax.device_get(drafted))                             # [steps, width]

@@ -75,14 +75,18 @@ class _InFlight:
 class EngineCore:
     def __init__(self, model_cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh,
                  dtype: Any = jnp.float32, draft: tuple[ModelConfig, Weights] | None = None) -> None:
-        """draft: the draft model's (config, weights) for speculative method draft_model; loaded from
-        the config's model directory when not given."""
+        """draft: the proposer's (config, weights) for speculative method draft_model (a model) or
+        eagle3 (an EAGLE-3 head); loaded from the config's model directory when not given."""
         self.model_cfg = model_cfg
         spec = engine_cfg.speculative_config
         if spec is not None and spec.method == "draft_model" and draft is None:
             from checkpoints import load_model
 
             draft = load_model(spec.model, mesh, dtype, engine_cfg.quantization)
+        elif spec is not None and spec.method == "eagle3" and draft is None:
+            from checkpoints.eagle3 import load_eagle3
+
+            draft = load_eagle3(spec.model, model_cfg, mesh, dtype)
         self.runner = ModelRunner(model_cfg, weights, engine_cfg, mesh, dtype, draft)
         self.engine_cfg = engine_cfg = self.runner.engine_cfg  # every size resolved
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
@@ -95,13 +99,14 @@ class EngineCore:
         self.num_sync_steps = 0        # async scheduling: steps finished before planning the next (penalties,
                                        # speculation)
         self._inflight: _InFlight | None = None
+        self._last_plan: StepPlan | None = None  # the last step dispatched (an EAGLE-3 head proposes from it)
         self._lora_lock = threading.Lock()  # adapter name checks vs run-time unloads
         self._lora_unloads: list[tuple[str, Future[None]]] = []
         spec = self.scheduler.spec_stats
         self._spec_logged = (time.monotonic(), spec.copy()) if spec is not None else None
         if (sc := engine_cfg.speculative_config) is not None:
-            source = (f"n-gram {sc.prompt_lookup_min}..{sc.prompt_lookup_max}" if sc.method == "ngram"
-                      else f"draft model {sc.model}")
+            source = {"ngram": f"n-gram {sc.prompt_lookup_min}..{sc.prompt_lookup_max}",
+                      "draft_model": f"draft model {sc.model}", "eagle3": f"EAGLE-3 head {sc.model}"}[sc.method]
             limit = "" if sc.disable_by_batch_size is None else f", off above {sc.disable_by_batch_size} running"
             logger.info("speculative decoding: up to %d draft tokens per decode (%s)%s; steps run synchronously "
                         "while it is on", sc.num_speculative_tokens, source, limit)
@@ -229,13 +234,14 @@ class EngineCore:
         return events
 
     def _schedule(self) -> StepPlan:
-        """The next plan; draft-model slots are filled here (a proposal runs the draft on the device)."""
+        """The next plan; draft slots are filled here (a proposal runs the draft model or the EAGLE-3
+        head on the device)."""
         t0 = time.perf_counter()
         if self._lora_unloads:
             self._apply_lora_unloads()
         plan = self.scheduler.schedule()
-        if self.runner.draft is not None and plan.has_drafts:
-            self.scheduler.set_drafts(plan, self.runner.propose(plan))
+        if self.runner.proposer is not None and plan.has_drafts:
+            self.scheduler.set_drafts(plan, self.runner.propose(plan, self._last_plan))
         self.timings.schedule += time.perf_counter() - t0
         return plan
 
@@ -248,6 +254,7 @@ class EngineCore:
         for slot, name in plan.lora_loads:  # an adapter's first step: into its slot first (device order)
             self.runner.load_lora(slot, name)
         inputs = self.runner.builder.build(plan, prev_plan)
+        self._last_plan = plan
         t1 = time.perf_counter()
         logits = self.runner.forward(inputs)
         self.timings.build += t1 - t0

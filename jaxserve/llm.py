@@ -73,6 +73,9 @@ def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
     spec = engine_cfg.speculative_config
     if spec is not None and spec.method == "draft_model":
         check_same_vocabulary(model_dir, resolve_model_dir(spec.model))
+    elif spec is not None and spec.method == "eagle3":  # fails before the target loads
+        from checkpoints.eagle3 import read_config
+        read_config(spec.model, ModelConfig.from_hf(model_dir))
     enable_compilation_cache(engine_cfg.compilation_cache_dir)
     dtype = resolve_dtype(engine_cfg.dtype, ModelConfig.from_hf(model_dir).dtype)
     mesh = make_mesh(*engine_cfg.mesh_shape)

@@ -40,8 +40,10 @@ from jaxserve.programs import (copy_step, copy_width, dummy_arrays, dummy_sampli
                                lower_program, rows_width, sample_step)
 from jaxserve.sampler import SamplerOutput, SamplingTensors, bitmask_words
 from jaxserve.draft_runner import DraftRunner, check_compatible
+from jaxserve.eagle_runner import EagleRunner
+from jaxserve.model.eagle3 import Eagle3Config
 from jaxserve.scheduler import StepPlan
-from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs
+from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs, sampled_at
 
 logger = logging.getLogger("jaxserve.model_runner")
 
@@ -74,8 +76,9 @@ class CompileCounter:
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh,
-                 dtype: Any = jnp.float32, draft: tuple[ModelConfig, Weights] | None = None) -> None:
-        """draft: the speculative draft model's (config, weights) for method draft_model."""
+                 dtype: Any = jnp.float32, draft: tuple[Any, Any] | None = None) -> None:
+        """draft: the speculative proposer's (config, weights): a draft model's (ModelConfig,
+        Weights) for method draft_model, an EAGLE-3 head's (Eagle3Config, Eagle3Weights) for eagle3."""
         CompileCounter.install()
         # A model axis wider than the KV head count holds one duplicated KV head per device.
         kv_heads = model_cfg.num_kv_heads
@@ -91,11 +94,13 @@ class ModelRunner:
         self.dtype = jnp.dtype(dtype)
         # Unset sizes (pool, batch limits, context, buckets) come from the machine and the model.
         machine = machine_info(mesh)
-        if draft is not None:
+        eagle = draft if draft is not None and isinstance(draft[0], Eagle3Config) else None
+        if draft is not None and eagle is None:
             check_compatible(model_cfg, draft[0])
             draft = duplicate_kv_heads(*draft, mesh)
         self.capacity = plan_capacity(engine_cfg, model_cfg, machine, self.dtype.itemsize,
-                                      mesh.shape[sharding.MODEL_AXIS], draft=draft[0] if draft else None)
+                                      mesh.shape[sharding.MODEL_AXIS],
+                                      draft=None if draft is None else eagle[0].layer if eagle else draft[0])
         for line in self.capacity.lines:
             logger.info("%s", line)
         self.engine_cfg = engine_cfg = self.capacity.engine
@@ -106,14 +111,18 @@ class ModelRunner:
             logger.warning("%s", note)
         self.kv = kv_cache.allocate(model_cfg, num_pages, engine_cfg.page_size, kv_dtype(engine_cfg, self.dtype), mesh)
         self.num_pages = num_pages
-        self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size)
+        self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size, eagle=eagle is not None)
         self._replicated = sharding.replicated(mesh)
         self._attention = make_attention(engine_cfg.attention_backend, model_cfg, mesh)
         self._rows_width = rows_width(engine_cfg)
         # [rows_width] int32: the last dispatched step's sampled ids, on the device
         self._prev_ids = self._put(np.zeros(self._rows_width, np.int32))
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> [rows, W] int32 all-ones bitmask
-        self.draft = DraftRunner(*draft, engine_cfg, mesh, self.dtype, self._put) if draft is not None else None
+        self.draft = (DraftRunner(*draft, engine_cfg, mesh, self.dtype, self._put)
+                      if draft is not None and eagle is None else None)
+        self.eagle = (EagleRunner(*eagle, weights.embed, engine_cfg, mesh, self.dtype, self._put)
+                      if eagle is not None else None)
+        self._aux: jax.Array | None = None  # with an EAGLE-3 head: the last forward's [T, 3 D] states
         self.lora = self._lora_slots() if engine_cfg.enable_lora else None
         self.warmed_up = False
         self.compilations_after_warmup = 0
@@ -139,17 +148,38 @@ class ModelRunner:
         if len(copies):
             src, dst = self._put(self._pad_copies(copies))
             self.kv = copy_step(self.kv, src, dst)
-            if self.draft is not None:
-                self.draft.copy_pages(copy_step, src, dst)
+            if self.proposer is not None:  # its pool mirrors the target's pages
+                self.proposer.copy_pages(copy_step, src, dst)
 
-    def propose(self, plan: StepPlan) -> list[list[int]]:
-        """Draft-model proposals for the plan's chunks with draft slots (in plan order). Applies the
-        plan's page copies first (a draft writes into the copied pages) and clears them."""
+    @property
+    def proposer(self) -> DraftRunner | EagleRunner | None:
+        """The draft model or EAGLE-3 head that fills the plans' draft slots (propose), if any."""
+        return self.draft if self.draft is not None else self.eagle
+
+    def propose(self, plan: StepPlan, prev_plan: StepPlan | None) -> list[list[int]]:
+        """Proposals for the plan's chunks with draft slots (in plan order; possibly fewer ids than
+        slots). Applies the plan's page copies first (a draft writes into the copied pages) and
+        clears them. prev_plan: the last step dispatched (an EAGLE-3 head continues from the row
+        of it that sampled each sequence's last token; a sequence it did not sample gets none)."""
         before = CompileCounter.count()
         self._copy_pages(np.asarray(plan.copies, np.int32).reshape(-1, 2))
         plan.copies = []
         chunks = [c for c in plan.chunks if c.draft_token_ids]
-        out = self.draft.propose(chunks, [len(c.draft_token_ids) for c in chunks])
+        if self.draft is not None:
+            out = self.draft.propose(chunks, [len(c.draft_token_ids) for c in chunks])
+        else:
+            spans = sampled_at(prev_plan)
+            rows: list[int | None] = []
+            for c in chunks:  # the row that computed the position before the last token's
+                first, row, count = spans.get(c.seq_id, (0, 0, 0))
+                rows.append(row + c.start_pos - 1 - first if first <= c.start_pos - 1 < first + count else None)
+            found = [i for i, r in enumerate(rows) if r is not None]
+            out = [[] for _ in chunks]
+            if found:
+                got = self.eagle.propose([chunks[i] for i in found], [rows[i] for i in found],
+                                         [len(chunks[i].draft_token_ids) for i in found])
+                for i, ids in zip(found, got):
+                    out[i] = ids
         self._count_compilations(before, what=f"a draft proposal of {len(chunks)} sequences")
         return out
 
@@ -161,6 +191,8 @@ class ModelRunner:
         out, self._prev_ids = self._sample(logits, inputs.sampling, bitmask)
         for leaf in out:
             leaf.copy_to_host_async()
+        if self.eagle is not None:
+            self.eagle.fill(inputs.arrays, inputs.eagle_shift, self._aux, self._prev_ids)
         self._count_compilations(before, inputs)
         return out
 
@@ -177,7 +209,8 @@ class ModelRunner:
         packed, spec = pack(arrays)
         return dict(kv=self.kv, packed=self._put(packed), spec=spec, cfg=self.model_cfg,
                     attention_fn=self._attention, prev_ids=self._prev_ids,
-                    lora=self.lora.arrays if self.lora is not None else None)
+                    lora=self.lora.arrays if self.lora is not None else None,
+                    aux_layers=self.eagle.aux_layers if self.eagle is not None else ())
 
     def _lora_slots(self) -> "DeviceSlots":
         """Every --lora-modules adapter read and checked now; slots filled as requests need them."""
@@ -195,7 +228,11 @@ class ModelRunner:
         self._count_compilations(before, what=f"loading LoRA adapter {name!r} into slot {slot}")
 
     def _forward(self, arrays: StepArrays) -> tuple[jax.Array, kv_cache.KVPages]:
-        return forward_step(self.weights, **self._forward_args(arrays))
+        """(logits, pages); with an EAGLE-3 head its input states are kept for the fill (sample)."""
+        logits, kv, *aux = forward_step(self.weights, **self._forward_args(arrays))
+        if aux:
+            self._aux = aux[0]
+        return logits, kv
 
     def _sample(self, logits: jax.Array, tensors: SamplingTensors,
                 bitmask: np.ndarray | None = None) -> tuple[SamplerOutput, jax.Array]:
@@ -247,15 +284,20 @@ class ModelRunner:
         for done, p in enumerate(programs, 1):
             if p.kind == "forward":
                 logits_by_rows[p.logits], self.kv = self._forward(dummy_arrays(p, max_pages, pad_slot, lora))
+                if self.eagle is not None:
+                    self.eagle.warm_fill(p, self._aux, self._prev_ids)
             elif p.kind == "sample":
                 jax.block_until_ready(self._sample(logits_by_rows[p.rows], dummy_sampling(p.rows, p.history)))
             else:
-                self.kv = copy_step(self.kv, *self._put(self._pad_copies(np.zeros((0, 2), np.int32))))
+                self._copy_pages(np.zeros((1, 2), np.int32))  # page 0 onto itself: no change
                 jax.block_until_ready(self.kv.k[0])
             if progress:
                 progress(done, len(programs), p.name)
         if self.draft is not None:
             logger.info("draft model: %d programs warmed up", self.draft.warmup(self._prev_ids))
+        if self.eagle is not None:
+            logger.info("EAGLE-3 head: a fill per forward program, %d proposal programs warmed up",
+                        self.eagle.warm_propose())
         if self.lora is not None:
             self.lora.warmup()
         self.warmed_up = True

@@ -36,12 +36,14 @@ from jaxserve.step_inputs import StepArrays
 
 
 def _forward_packed(weights: Weights, kv: kv_cache.KVPages, packed: jax.Array, spec: PackSpec, cfg: ModelConfig,
-                    attention_fn: Callable[..., jax.Array], prev_ids: jax.Array, lora: Any = None
-                    ) -> tuple[jax.Array, kv_cache.KVPages]:
-    return forward_paged(weights, cfg, kv, unpack(packed, spec), attention_fn, prev_ids, lora)
+                    attention_fn: Callable[..., jax.Array], prev_ids: jax.Array, lora: Any = None,
+                    aux_layers: tuple[int, ...] = ()) -> tuple[Any, ...]:
+    """(logits, pages), plus the EAGLE-3 head's input states with `aux_layers` (model/paged.py)."""
+    return forward_paged(weights, cfg, kv, unpack(packed, spec), attention_fn, prev_ids, lora, aux_layers)
 
 
-forward_step = jax.jit(_forward_packed, static_argnames=("spec", "cfg", "attention_fn"), donate_argnames=("kv",))
+forward_step = jax.jit(_forward_packed, static_argnames=("spec", "cfg", "attention_fn", "aux_layers"),
+                       donate_argnames=("kv",))
 
 
 def _sample_and_keep(logits: jax.Array, packed: jax.Array, bitmask: jax.Array, spec: PackSpec, vocab_size: int,

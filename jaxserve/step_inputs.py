@@ -46,16 +46,25 @@ class StepArrays(NamedTuple):
                                          # model; None when LoRA is off
 
 
+class EagleShift(NamedTuple):
+    """What an EAGLE-3 head reads beside each token row (eagle_runner.py): the token after it."""
+    token_ids: np.ndarray      # [T] int32  the next token where the host knows it (prompt), else 0
+    sample_row: np.ndarray     # [T] int32  r >= 0: the next token is this step's sampled id at row r
+
+
 class StepInputs(NamedTuple):
     arrays: StepArrays
     sampling: SamplingTensors
     num_samples: int           # leading rows of the sampler output that are real
     copies: np.ndarray         # [C, 2] int32 (src, dst) page copies before the step; may be empty
+    eagle_shift: EagleShift | None = None  # with an EAGLE-3 head only
 
 
 class StepInputBuilder:
-    def __init__(self, cfg: EngineConfig, num_pages: int, vocab_size: int) -> None:
+    def __init__(self, cfg: EngineConfig, num_pages: int, vocab_size: int, eagle: bool = False) -> None:
+        """eagle: also build each step's EagleShift (an EAGLE-3 head proposes)."""
         self.cfg = cfg
+        self.eagle = eagle
         self.num_pages = num_pages
         self.vocab_size = vocab_size
         self.buckets = declared_buckets(cfg)
@@ -82,6 +91,7 @@ class StepInputBuilder:
         logits_index = np.zeros(l_bucket, np.int32)
         prev_row = np.full(t_bucket, -1, np.int32)
         lora_slot = np.full(t_bucket, -1, np.int32) if self.cfg.enable_lora else None
+        shift = EagleShift(np.zeros(t_bucket, np.int32), np.full(t_bucket, -1, np.int32)) if self.eagle else None
         prev_rows: dict[str, int] | None = None
         rows: list[SamplingRow] = []
         t = 0
@@ -104,6 +114,8 @@ class StepInputBuilder:
             slots[t:t + n] = table[pos // ps] * ps + pos % ps
             page_tables[i, : len(table)] = table
             seq_lens[i] = c.start_pos + n
+            if shift is not None:
+                _shift_chunk(shift, t, c, plan, len(rows))
             t += n
             cu[i + 1] = t
             if c.sample:
@@ -119,7 +131,20 @@ class StepInputBuilder:
                             np.array([len(chunks)], np.int32), logits_index, prev_row, lora_slot)
         sampling = SamplingTensors.from_rows(rows, l_bucket, self.vocab_size)
         copies = np.asarray(plan.copies, np.int32).reshape(-1, 2)
-        return StepInputs(arrays, sampling, len(rows), copies)
+        return StepInputs(arrays, sampling, len(rows), copies, shift)
+
+
+def _shift_chunk(shift: EagleShift, t: int, c: ScheduledChunk, plan: StepPlan, first_row: int) -> None:
+    """The token after each of the chunk's rows (at token rows t..): a row that samples reads its
+    sampled id (a draft row's sample, not its draft: where verification stops, the sample is the
+    token that follows); the others the next prompt (or recomputed) token."""
+    n, sampled = len(c.token_ids), c.num_sample_rows
+    if sampled:
+        shift.token_ids[t:t + n - sampled] = c.token_ids[1:n - sampled + 1]
+        shift.sample_row[t + n - sampled:t + n] = np.arange(first_row, first_row + sampled)
+    else:  # a prefill chunk that does not end its prompt: the next one is known
+        after = plan.owners[c.seq_id].token_slice(c.start_pos + n, c.start_pos + n + 1) or [0]
+        shift.token_ids[t:t + n] = [*c.token_ids[1:], *after]
 
 
 def has_constrained_rows(plan: StepPlan) -> bool:
@@ -146,6 +171,17 @@ def needs_output_ids(params: SamplingParams) -> bool:
     """Whether sampling this row reads its output token ids (not only their count)."""
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0)
+
+
+def sampled_at(plan: StepPlan | None) -> dict[str, tuple[int, int, int]]:
+    """seq_id -> (position of its first sampling token row, its first sampler row, how many) in the
+    plan's sampler output: the row that computed position q samples the token at q + 1."""
+    spans, row = {}, 0
+    for c in plan.chunks if plan is not None else ():
+        if c.sample:
+            spans[c.seq_id] = (c.start_pos + len(c.token_ids) - c.num_sample_rows, row, c.num_sample_rows)
+        row += c.num_sample_rows
+    return spans
 
 
 def _sample_rows(plan: StepPlan | None) -> dict[str, int]:

@@ -162,7 +162,8 @@ def test_speculative_config_flag_reaches_the_engine_config_and_bad_json_is_named
     assert spec.speculative_config.method == "ngram" and spec.speculative_config.num_speculative_tokens == 4
     for bad, words in (('{"method": "ngram"', "not JSON"), ('{"method": "medusa", "num_speculative_tokens": 2}',
                                                             "'medusa' is not one of"),
-                       ('{"method": "eagle3", "model": "/d", "num_speculative_tokens": 2}', "not served yet")):
+                       ('{"method": "eagle3", "model": "/d", "num_speculative_tokens": 2}',
+                        "EAGLE-3 head directory '/d' does not exist")):
         assert cli.main(["generate", "--prompt", "x", "--speculative-config", bad]) != 0
         assert words in capsys.readouterr().err
     # generate declares a decode bucket that holds the last token and k drafts

@@ -20,16 +20,16 @@ from jaxserve.model.transformer import forward
 from jaxserve.model.weights import Weights
 
 
-def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arrays: Any,
-                  attention_fn: Callable[..., jax.Array],
-                  prev_ids: jax.Array, lora: Any = None) -> tuple[jax.Array, kv_cache.KVPages]:
-    """arrays: a StepArrays of device arrays; prev_ids: [max_num_seqs] int32, the previous step's
-    sampled ids; lora: the adapter slots' factors per layer (lora/slots.py) when LoRA is on, read
-    by each token through its `arrays.lora_slot`. Returns (logits [S, Vp] float32, updated pages)."""
+def resolve_token_ids(arrays: Any, prev_ids: jax.Array) -> jax.Array:
+    """[T] the step's token ids, in-flight ones (prev_sample_row >= 0) read from `prev_ids`."""
+    pending = arrays.prev_sample_row >= 0
+    return jnp.where(pending, prev_ids[jnp.where(pending, arrays.prev_sample_row, 0)], arrays.token_ids)
+
+
+def paged_attend(cfg: ModelConfig, arrays: Any, attention_fn: Callable[..., jax.Array]) -> Any:
+    """The `attend` of transformer.forward over the paged pool: writes the step's K/V at its slots,
+    then ragged paged attention over the sequences' page tables."""
     scale = cfg.head_dim ** -0.5
-    pending = arrays.prev_sample_row >= 0                                          # [T]
-    token_ids = jnp.where(pending, prev_ids[jnp.where(pending, arrays.prev_sample_row, 0)], arrays.token_ids)
-    seq_len_per_token = arrays.seq_lens[arrays.token_seq]
 
     def attend(i, q, k, v, layer_kv):
         layer_kv = kv_cache.write(layer_kv, k, v, arrays.slot_mapping)
@@ -38,12 +38,24 @@ def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arra
                            k_scales=layer_kv.k_scales, v_scales=layer_kv.v_scales)
         return out, layer_kv
 
+    return attend
+
+
+def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arrays: Any,
+                  attention_fn: Callable[..., jax.Array],
+                  prev_ids: jax.Array, lora: Any = None, aux_layers: tuple[int, ...] = ()) -> tuple[Any, ...]:
+    """arrays: a StepArrays of device arrays; prev_ids: [max_num_seqs] int32, the previous step's
+    sampled ids; lora: the adapter slots' factors per layer (lora/slots.py) when LoRA is on, read
+    by each token through its `arrays.lora_slot`. Returns (logits [S, Vp] float32, updated pages), and
+    with `aux_layers` the target hidden states an EAGLE-3 head reads ([T, 3 D]; transformer.forward)."""
+    token_ids = resolve_token_ids(arrays, prev_ids)
+    seq_len_per_token = arrays.seq_lens[arrays.token_seq]
+    attend = paged_attend(cfg, arrays, attention_fn)
     lora_inputs = None
     if lora is not None:
         num_slots = next(iter(lora[0].values()))[1].shape[0]  # any module's b: [N, R, *out]
         one_hot = (arrays.lora_slot[:, None] == jnp.arange(num_slots)[None, :]).astype(jnp.float32)  # [T, N]
         lora_inputs = LoraInputs(lora, one_hot)
-    logits, layers = forward(weights, cfg, token_ids, arrays.positions, attend, kv.layers(),
-                             logits_index=arrays.logits_index, seq_lens_per_token=seq_len_per_token,
-                             lora=lora_inputs)
-    return logits, kv_cache.KVPages.from_layers(layers)
+    out = forward(weights, cfg, token_ids, arrays.positions, attend, kv.layers(), logits_index=arrays.logits_index,
+                  seq_lens_per_token=seq_len_per_token, lora=lora_inputs, aux_layers=aux_layers)
+    return (out[0], kv_cache.KVPages.from_layers(out[1]), *out[2:])

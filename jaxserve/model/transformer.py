@@ -64,8 +64,11 @@ def lm_head(weights: Weights, x: jax.Array) -> jax.Array:
 def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             attend: Attend, caches: Sequence[Any], *, logits_index: jax.Array | None = None,
             seq_lens_per_token: jax.Array | None = None,
-            lora: lora_apply.LoraInputs | None = None) -> tuple[jax.Array, list[Any]]:
-    """tokens, positions: [...] int32. Returns (float32 logits, updated caches).
+            lora: lora_apply.LoraInputs | None = None,
+            aux_layers: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
+    """tokens, positions: [...] int32. Returns (float32 logits, updated caches), and with
+    `aux_layers` a third output: the residual stream entering each of those layers, concatenated
+    in layer order ([..., len(aux_layers) * D]: what an EAGLE-3 head reads).
 
     logits_index: gather these rows of the flattened token axis before the lm_head, so a step
     computes logits only for the rows that sample ([R] -> logits [R, Vp]); None keeps every row.
@@ -74,8 +77,10 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
     """
     x = jnp.take(weights.embed, tokens, axis=0)
     cos, sin = rope.cos_sin(cfg, positions, seq_lens_per_token)
-    new_caches = []
+    new_caches, aux = [], []
     for i, layer in enumerate(weights.layers):
+        if i in aux_layers:
+            aux.append(x)
         lo = None if lora is None else (lora.layers[i], lora.one_hot)
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
         q, k, v = qkv(layer, h, cos, sin, cfg, lo)
@@ -87,4 +92,6 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
     if logits_index is not None:
         x = jnp.take(x.reshape(-1, x.shape[-1]), logits_index, axis=0)
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    if aux_layers:
+        return lm_head(weights, x), new_caches, jnp.concatenate(aux, axis=-1)
     return lm_head(weights, x), new_caches

@@ -3,8 +3,8 @@
 A decode may draft when its last token is known (nothing in flight), it is not a leader still
 holding its samples' fork, and it is not backing off. At most k drafts, the step's leftover budget
 minus its own token, and what max_len leaves after the bonus token. n-gram drafts are looked up
-here and cut where the sequence's grammar refuses one; a draft model's are DRAFT_SLOTs that the
-engine fills (Scheduler.set_drafts) after running the draft on the device.
+here and cut where the sequence's grammar refuses one; a draft model's or EAGLE-3 head's are
+DRAFT_SLOTs that the engine fills (Scheduler.set_drafts) after running the draft on the device.
 
 Back-off: a sequence whose proposals miss MISSES_BEFORE_BACKOFF times in a row (none found, or every
 draft rejected) stops proposing for 1, 2, 4 .. MAX_BACKOFF_STEPS steps; a hit resets it. While no
@@ -53,7 +53,7 @@ class Drafting:
         k = min(spec.num_speculative_tokens, budget - 1, seq.max_len - seq.num_tokens - 1)
         if k <= 0:
             return []
-        if spec.method == "draft_model":
+        if spec.method in ("draft_model", "eagle3"):
             return [DRAFT_SLOT] * k
         drafts = ngram.propose(seq.token_slice(0, seq.num_tokens), k, spec.prompt_lookup_min,
                                spec.prompt_lookup_max).tolist()

@@ -1,0 +1,173 @@
+"""The EAGLE-3 head of speculative decoding (`{"method": "eagle3", "model": DIR}`): its weights, its
+K/V pages and its programs. Owned by the ModelRunner; device state like it.
+
+The head's one layer keeps K/V per position in its own pool of the target's page count and size, so
+the target's page tables address it (as draft_runner.py's pool). Its row for position p reads the
+target's hidden states at p and the token at p + 1, so it runs one step behind the target's
+tokens:
+
+  fill(arrays, shift, aux, sampled)  right after the target step's sampler, over the same token rows:
+        each row's next token is known on the host (prompt tokens: `shift.token_ids`) or is this
+        step's sampled id (`shift.sample_row`, read on the device); writes the head's K/V for
+        every row and keeps, per sampler row, its first draft (the head's argmax) and its pre-norm
+        output, on the device.
+  propose(chunks, rows, num_drafts)  before the next step, for decodes with draft slots: the first
+        draft is the last fill's argmax at the row that sampled the sequence's last token; each
+        further draft is one batched forward of the previous draft over the head's own output.
+
+No host sync inside a step; the ids reach the host once per proposal. Rejected rows' K/V (the
+fill writes every row of a verified run) lies past the sequence's length and is overwritten later.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxserve import kv_cache, sharding
+from jaxserve.buckets import Program, choose_bucket, declared_buckets
+from jaxserve.config import EngineConfig
+from jaxserve.draft_runner import proposal_arrays, proposal_tables
+from jaxserve.model import eagle3
+from jaxserve.model.attention import make_attention
+from jaxserve.model.kv_heads import duplicated_config, kv_duplication, repeat_kv
+from jaxserve.model.paged import paged_attend, resolve_token_ids
+from jaxserve.model.param_spec import is_spec
+from jaxserve.model.weights import Weights
+from jaxserve.packing import PackSpec, pack, unpack
+from jaxserve.programs import dummy_arrays, kv_dtype, rows_width
+from jaxserve.scheduler import ScheduledChunk
+from jaxserve.step_inputs import EagleShift, StepArrays
+
+
+class EagleArrays(NamedTuple):
+    step: StepArrays        # token_ids: each row's next token (or prev_sample_row: where to read it)
+    hidden_row: np.ndarray  # [T] int32 row of the previous forward's outputs each row continues (propose)
+
+
+def _eagle_packed(weights: eagle3.Eagle3Weights, target_embed: jax.Array, kv: kv_cache.KVPages, packed: jax.Array,
+                  prev_ids: jax.Array, hidden: jax.Array, spec: PackSpec, cfg: eagle3.Eagle3Config,
+                  attention_fn: Any, combine: bool, width: int) -> tuple[jax.Array, jax.Array, kv_cache.KVPages]:
+    """One head forward. hidden: the target's aux states [T, 3 Dt] (combine: a fill) or the previous
+    forward's outputs [width, D] read at hidden_row (a proposal). Returns the sampler-row drafts
+    padded to [width], their pre-norm outputs [width, D] and the pages."""
+    arrays, hidden_row = unpack(packed, spec)
+    h = hidden if combine else jnp.take(hidden, hidden_row, axis=0)
+    embed = weights.embed if weights.embed is not None else target_embed
+    ids, out, layer = eagle3.forward(weights, cfg, embed, resolve_token_ids(arrays, prev_ids), arrays.positions, h,
+                                     paged_attend(cfg.layer, arrays, attention_fn), kv.layers()[0],
+                                     arrays.logits_index, combine=combine)
+    pad = width - ids.shape[0]
+    return (jnp.pad(ids, (0, pad)), jnp.pad(out, ((0, pad), (0, 0))), kv_cache.KVPages.from_layers([layer]))
+
+
+_eagle_step = jax.jit(_eagle_packed, static_argnames=("spec", "cfg", "attention_fn", "combine", "width"),
+                      donate_argnames=("kv",))
+
+
+def _duplicate_kv_heads(cfg: eagle3.Eagle3Config, weights: eagle3.Eagle3Weights, mesh: Mesh
+                        ) -> tuple[eagle3.Eagle3Config, eagle3.Eagle3Weights]:
+    """The head's KV heads repeated for a model axis wider than them, as the target's are
+    (model/kv_heads.py), placed with the new shardings."""
+    factor = kv_duplication(cfg.layer, mesh.shape[sharding.MODEL_AXIS])
+    if factor == 1:
+        return cfg, weights
+    new_cfg = eagle3.Eagle3Config(**{**cfg.__dict__, "layer": duplicated_config(cfg.layer, factor)})
+    layer = repeat_kv(Weights(embed=None, layers=[weights.layer], final_norm=None), factor).layers[0]
+    return new_cfg, jax.device_put(weights.replace(layer=layer), placements(new_cfg, mesh))
+
+
+def placements(cfg: eagle3.Eagle3Config, mesh: Mesh) -> eagle3.Eagle3Weights:
+    """NamedSharding of every leaf of the head, from its logical axes (the target's rules)."""
+    rules = sharding.rules_for(eagle3.logical_dims(cfg), mesh)
+    return jax.tree.map(lambda s: sharding.named(mesh, *s.axes, rules=rules, shape=s.shape),
+                        eagle3.abstract(cfg), is_leaf=is_spec)
+
+
+class EagleRunner:
+    def __init__(self, cfg: eagle3.Eagle3Config, weights: eagle3.Eagle3Weights, target_embed: jax.Array,
+                 engine_cfg: EngineConfig, mesh: Mesh, dtype: Any, put: Any) -> None:
+        self.cfg, self.weights = _duplicate_kv_heads(cfg, weights, mesh)
+        self.engine_cfg = engine_cfg
+        self._target_embed = target_embed
+        self.kv = kv_cache.allocate(self.cfg.layer, engine_cfg.num_kv_pages, engine_cfg.page_size,
+                                    kv_dtype(engine_cfg, dtype), mesh)
+        self._attention = make_attention(engine_cfg.attention_backend, self.cfg.layer, mesh)
+        self._put = put
+        self._buckets = declared_buckets(engine_cfg)
+        self._width = rows_width(engine_cfg)
+        self._pad_slot = engine_cfg.num_kv_pages * engine_cfg.page_size
+        # the last fill's outputs per sampler row: first drafts [width], pre-norm outputs [width, D]
+        self._ids = put(np.zeros(self._width, np.int32))
+        self._hidden = put(np.zeros((self._width, self.cfg.hidden_size), jnp.dtype(dtype)))
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.cfg.aux_layers
+
+    def _run(self, arrays: EagleArrays, prev_ids: jax.Array, hidden: jax.Array, combine: bool
+             ) -> tuple[jax.Array, jax.Array]:
+        packed, spec = pack(arrays)
+        ids, out, self.kv = _eagle_step(self.weights, self._target_embed, self.kv, self._put(packed), prev_ids,
+                                        hidden, spec=spec, cfg=self.cfg, attention_fn=self._attention,
+                                        combine=combine, width=self._width)
+        return ids, out
+
+    def fill(self, arrays: StepArrays, shift: EagleShift, aux: jax.Array, sampled: jax.Array) -> None:
+        """The head over the target step's rows (see the module docstring). aux: the step's [T, 3 Dt]
+        target states; sampled: the step's sampled ids padded to [width] (the sampler's output)."""
+        step = arrays._replace(token_ids=shift.token_ids, prev_sample_row=shift.sample_row, lora_slot=None)
+        zeros = np.zeros(len(shift.token_ids), np.int32)
+        self._ids, self._hidden = self._run(EagleArrays(step, zeros), sampled, aux, combine=True)
+
+    def copy_pages(self, copy_fn: Any, src: jax.Array, dst: jax.Array) -> None:
+        self.kv = copy_fn(self.kv, src, dst)
+
+    def propose(self, chunks: Sequence[ScheduledChunk], rows: Sequence[int], num_drafts: Sequence[int]
+                ) -> list[list[int]]:
+        """Greedy drafts for decode chunks whose last token (at start_pos) was sampled at `rows[i]` of
+        the last fill: num_drafts[i] ids each. Forward j (j >= 1) feeds draft j at position
+        start + j - 1 (written only while j < num_drafts[i]: pages exist there) and yields draft j + 1."""
+        n = len(chunks)
+        wanted = np.asarray(num_drafts, np.int32)
+        tables, starts = proposal_tables(chunks, self.engine_cfg.max_pages_per_seq)
+        source = np.asarray(rows, np.int32)  # where each row's token and hidden state come from
+        ids, hidden = self._ids, self._hidden
+        drafted = [ids]
+        for j in range(1, max(num_drafts)):
+            step = proposal_arrays(self._buckets, self.engine_cfg.page_size, self._pad_slot, tables, starts, j - 1,
+                                   j < wanted, None, source)
+            hidden_row = np.zeros(len(step.token_ids), np.int32)
+            hidden_row[:n] = source
+            ids, hidden = self._run(EagleArrays(step, hidden_row), ids, hidden, combine=False)
+            drafted.append(ids)
+            source = np.arange(n, dtype=np.int32)
+        got = jax.device_get(drafted)
+        first = got[0][np.asarray(rows, np.int64)]
+        return [[int(first[i]), *(int(got[j][i]) for j in range(1, d))] for i, d in enumerate(num_drafts)]
+
+    def warm_fill(self, program: Program, aux: jax.Array, sampled: jax.Array) -> None:
+        """Compiles and runs the fill of one target forward program, over that forward's real aux
+        output (so the program sees the sharding steps give it)."""
+        arrays = dummy_arrays(program, self.engine_cfg.max_pages_per_seq, self._pad_slot)
+        t = program.tokens
+        self.fill(arrays, EagleShift(np.zeros(t, np.int32), np.full(t, -1, np.int32)), aux, sampled)
+
+    def warm_propose(self) -> int:
+        """Compiles and runs the proposal forward of every bucket a proposal can pick (n sequences
+        in a bucket of n tokens), twice: from a fill's outputs and from a proposal's; returns how
+        many buckets."""
+        cfg = self.engine_cfg
+        buckets = {choose_bucket(self._buckets, n, n): n for n in range(cfg.max_num_seqs, 0, -1)}
+        for n in buckets.values():
+            step = proposal_arrays(self._buckets, cfg.page_size, self._pad_slot,
+                                   np.zeros((n, cfg.max_pages_per_seq), np.int32), np.zeros(n, np.int32), 0,
+                                   np.zeros(n, bool), None, np.zeros(n, np.int32))
+            arrays = EagleArrays(step, np.zeros(len(step.token_ids), np.int32))
+            ids, hidden = self._run(arrays, self._ids, self._hidden, combine=False)
+            jax.block_until_ready(self._run(arrays, ids, hidden, combine=False))
+        return len(buckets)
