@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 
 from jaxserve import kv_cache, sharding
 from jaxserve.buckets import Program, choose_bucket, declared_buckets
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.draft_runner import proposal_arrays, proposal_tables
 from jaxserve.model import eagle3
 from jaxserve.model.attention import make_attention
@@ -39,7 +39,7 @@ from jaxserve.model.paged import paged_attend, resolve_token_ids
 from jaxserve.model.param_spec import is_spec
 from jaxserve.model.weights import Weights
 from jaxserve.packing import PackSpec, pack, unpack
-from jaxserve.programs import dummy_arrays, kv_dtype, rows_width
+from jaxserve.programs import abstract_packed, abstract_weights, dummy_arrays, kv_dtype, rows_width
 from jaxserve.scheduler import ScheduledChunk
 from jaxserve.step_inputs import EagleShift, StepArrays
 
@@ -81,9 +81,10 @@ def _duplicate_kv_heads(cfg: eagle3.Eagle3Config, weights: eagle3.Eagle3Weights,
     return new_cfg, jax.device_put(weights.replace(layer=layer), placements(new_cfg, mesh))
 
 
-def placements(cfg: eagle3.Eagle3Config, mesh: Mesh) -> eagle3.Eagle3Weights:
+def placements(cfg: eagle3.Eagle3Config, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES
+               ) -> eagle3.Eagle3Weights:
     """NamedSharding of every leaf of the head, from its logical axes (the target's rules)."""
-    rules = sharding.rules_for(eagle3.logical_dims(cfg), mesh)
+    rules = sharding.rules_for(eagle3.logical_dims(cfg), mesh, rules)
     return jax.tree.map(lambda s: sharding.named(mesh, *s.axes, rules=rules, shape=s.shape),
                         eagle3.abstract(cfg), is_leaf=is_spec)
 
@@ -171,3 +172,28 @@ class EagleRunner:
             ids, hidden = self._run(arrays, self._ids, self._hidden, combine=False)
             jax.block_until_ready(self._run(arrays, ids, hidden, combine=False))
         return len(buckets)
+
+
+def lower_eagle(program: Program, cfg: eagle3.Eagle3Config, target: ModelConfig, engine_cfg: EngineConfig,
+                mesh: Mesh, dtype: Any, attention_fn: Any, rules: sharding.Rules = sharding.DEFAULT_RULES,
+                combine: bool = True) -> jax.stages.Lowered:
+    """The head's fill (combine: after the target forward `program`) or its proposal forward (over
+    `program`'s bucket) lowered for `mesh` from shapes alone, as programs.lower_program lowers the
+    target's: no weights, no device memory. attention_fn: make_attention for the head's layer."""
+    replicated = sharding.replicated(mesh)
+    specs = eagle3.abstract(cfg, dtype)
+    weights = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype), sharding=s), specs,
+                           placements(cfg, mesh, rules), is_leaf=is_spec)
+    embed = abstract_weights(target, dtype, mesh, rules).embed
+    num_pages, page_size = engine_cfg.num_kv_pages, engine_cfg.page_size
+    kv = kv_cache.abstract(cfg.layer, num_pages, page_size, kv_dtype(engine_cfg, dtype), mesh, rules)
+    width = rows_width(engine_cfg)
+    if not combine:
+        program = Program("forward", program.tokens, program.rows)  # a proposal samples every sequence row
+    arrays = dummy_arrays(program, engine_cfg.max_pages_per_seq, num_pages * page_size)
+    packed, spec = abstract_packed(EagleArrays(arrays, np.zeros(program.tokens, np.int32)), mesh)
+    hidden = ((program.tokens, len(cfg.aux_layers) * cfg.target_hidden_size) if combine
+              else (width, cfg.hidden_size))
+    return _eagle_step.lower(weights, embed, kv, packed, jax.ShapeDtypeStruct((width,), jnp.int32, sharding=replicated),
+                             jax.ShapeDtypeStruct(hidden, jnp.dtype(dtype), sharding=replicated), spec=spec, cfg=cfg,
+                             attention_fn=attention_fn, combine=combine, width=width)

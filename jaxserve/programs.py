@@ -109,18 +109,21 @@ def kv_dtype(engine_cfg: EngineConfig, dtype: Any) -> np.dtype:
     return kv_quant.storage_dtype(engine_cfg.kv_cache_dtype, dtype)
 
 
+def abstract_packed(tree: Any, mesh: Mesh) -> tuple[jax.ShapeDtypeStruct, PackSpec]:
+    """A host pytree's packed buffer as a replicated ShapeDtypeStruct, and its layout."""
+    buf, spec = pack(tree)
+    return jax.ShapeDtypeStruct(buf.shape, jnp.int32, sharding=sharding.replicated(mesh)), spec
+
+
 def lower_program(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, dtype: Any,
-                  attention_fn: Callable[..., jax.Array], rules: sharding.Rules = sharding.DEFAULT_RULES
-                  ) -> jax.stages.Lowered:
+                  attention_fn: Callable[..., jax.Array], rules: sharding.Rules = sharding.DEFAULT_RULES,
+                  aux_layers: tuple[int, ...] = ()) -> jax.stages.Lowered:
     """Lowers `program` for `mesh` from shapes alone, with the attention function serving would use
     there (model/attention.make_attention) and the same `rules`. The sampler's logits come
-    vocab-split as the forward leaves them."""
+    vocab-split as the forward leaves them. aux_layers: a forward that also returns an EAGLE-3
+    head's input states."""
     replicated = sharding.replicated(mesh)
-
-    def host(tree: Any) -> tuple[jax.ShapeDtypeStruct, PackSpec]:
-        buf, spec = pack(tree)
-        return jax.ShapeDtypeStruct(buf.shape, jnp.int32, sharding=replicated), spec
-
+    host = lambda tree: abstract_packed(tree, mesh)  # noqa: E731
     num_pages, page_size = engine_cfg.num_kv_pages, engine_cfg.page_size
     kv = kv_cache.abstract(model_cfg, num_pages, page_size, kv_dtype(engine_cfg, dtype), mesh, rules)
     if program.kind == "forward":
@@ -129,7 +132,7 @@ def lower_program(program: Program, model_cfg: ModelConfig, engine_cfg: EngineCo
         prev_ids = jax.ShapeDtypeStruct((rows_width(engine_cfg),), jnp.int32, sharding=replicated)
         return forward_step.lower(abstract_weights(model_cfg, dtype, mesh, rules), kv=kv, packed=packed, spec=spec,
                                   cfg=model_cfg, attention_fn=attention_fn, prev_ids=prev_ids,
-                                  lora=abstract_lora(model_cfg, engine_cfg, dtype, mesh, rules))
+                                  lora=abstract_lora(model_cfg, engine_cfg, dtype, mesh, rules), aux_layers=aux_layers)
     if program.kind == "sample":
         packed, spec = host(dummy_sampling(program.rows, program.history))
         resolved = sharding.rules_for(weights_mod.logical_dims(model_cfg), mesh, rules)

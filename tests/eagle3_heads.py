@@ -36,7 +36,7 @@ def write_head(directory: Path, config: dict[str, Any], seed: int = 0, prefix: s
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
     g = torch.Generator().manual_seed(seed)
     d, f, hq, hkv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd, vd, v = d // hq, cfg["draft_vocab_size"], cfg["vocab_size"]
+    hd, vd, v = cfg.get("head_dim") or d // hq, cfg["draft_vocab_size"], cfg["vocab_size"]
 
     def rnd(*shape: int, s: float = scale) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * s
@@ -88,7 +88,7 @@ def reference_drafts(target: Any, head: dict[str, torch.Tensor], config: dict[st
             getattr(mlp, name).weight.data = head[f"midlayer.mlp.{name}.weight"]
         rotary = ml.LlamaRotaryEmbedding(lc)
         hq, hkv = lc.num_attention_heads, lc.num_key_value_heads
-        hd = d // hq
+        hd = cfg.get("head_dim") or d // hq
         d2t = head.get("d2t")
         drafts = []
         for _ in range(k):

@@ -97,3 +97,44 @@ def test_lora_forward_compiles_for_tpu():
     for program in (forwards[0], forwards[-1]):
         compiled = lower_program(program, cfg, engine, mesh, "bfloat16", attention, layout.rules).compile()
         assert "tpu_custom_call" in compiled.as_text(), program.name
+
+
+def _eagle3_programs(devices, tp: int, kernel: str) -> None:
+    """The target forward that also returns the head's input states, the head's fill after it (with
+    its draft rows) and its proposal forward, at the smallest and largest bucket, compile for
+    `devices` with TP=`tp`, each with the attention kernel (`kernel` in the HLO)."""
+    import dataclasses
+
+    from jaxserve.eagle_runner import lower_eagle
+    from jaxserve.model.eagle3 import Eagle3Config
+
+    cfg = ModelConfig.from_hf({**FAMILIES["qwen3"], "num_hidden_layers": 4})
+    head = Eagle3Config.from_hf(
+        {"architectures": ["LlamaForCausalLMEagle3"], "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 512,
+         "draft_vocab_size": 256, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 3]}},
+        cfg, {"d2t", "fc.weight"})
+    engine = dataclasses.replace(ENGINE, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    layout = make_layout("tp", len(devices), tp)
+    mesh = make_mesh(1, layout.tp, devices)
+    attention = make_attention("auto", cfg, mesh, layout.rules)
+    head_attention = make_attention("auto", head.layer, mesh, layout.rules)
+    forwards = [p for p in serving_programs(engine, cfg) if p.kind == "forward"]
+    for program in (forwards[0], forwards[-1]):
+        lowered = lower_program(program, cfg, engine, mesh, "bfloat16", attention, layout.rules, aux_layers=head.aux_layers)
+        assert kernel in lowered.compile().as_text(), program.name
+        for combine in (True, False):
+            compiled = lower_eagle(program, head, cfg, engine, mesh, "bfloat16", head_attention, layout.rules,
+                                   combine=combine).compile()
+            assert kernel in compiled.as_text(), (program.name, combine)
+
+
+def test_eagle3_programs_compile_for_tpu():
+    _eagle3_programs(parse_target("tpu-v6e:2x2").devices(), 4, "tpu_custom_call")
+
+
+@pytest.mark.gpu_compile
+def test_eagle3_programs_compile_for_two_h100s():
+    from jaxserve.gpu_target import gpu_devices
+
+    _eagle3_programs(gpu_devices("h100", "1x1x2"), 2, "__gpu$xla.gpu.triton")
