@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from checkpoints.hf import _heads, _iter_tensors, _safetensors_files, resolve_model_dir, tensor_names
+from checkpoints.hf import _iter_tensors, _safetensors_files, layer_tensors, resolve_model_dir, tensor_names
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.model import eagle3
@@ -42,8 +42,7 @@ def _canonical(name: str) -> str:
 
 def _table(cfg: eagle3.Eagle3Config) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndarray], Any]]]:
     """Canonical tensor name -> (path into Eagle3Weights, transform from the stored array)."""
-    c = cfg.layer
-    hq, hkv, hd, vdp = c.num_heads, c.num_kv_heads, c.head_dim, cfg.padded_draft_vocab
+    c, vdp = cfg.layer, cfg.padded_draft_vocab
     ident = lambda t: t  # noqa: E731
     transpose = lambda t: t.T  # noqa: E731
 
@@ -60,26 +59,7 @@ def _table(cfg: eagle3.Eagle3Config) -> dict[str, tuple[tuple[str, ...], Callabl
         table["d2t"] = (("d2t",), lambda t: pad(vdp)(np.arange(t.shape[0]) + t).astype(np.int32))
     if cfg.has_embed:
         table["embed_tokens.weight"] = (("embed",), pad(c.padded_vocab_size))
-    layer = {
-        "input_layernorm.weight": ("attn_norm", ident),
-        "post_attention_layernorm.weight": ("mlp_norm", ident),
-        "self_attn.q_proj.weight": ("wq", _heads(hq, hd)),
-        "self_attn.k_proj.weight": ("wk", _heads(hkv, hd)),
-        "self_attn.v_proj.weight": ("wv", _heads(hkv, hd)),
-        "self_attn.o_proj.weight": ("wo", lambda t: t.T.reshape(hq, hd, t.shape[0])),
-        "mlp.gate_proj.weight": ("w_gate", transpose),
-        "mlp.up_proj.weight": ("w_up", transpose),
-        "mlp.down_proj.weight": ("w_down", transpose),
-    }
-    for module, field in (("q_proj", "bq"), ("k_proj", "bk"), ("v_proj", "bv")):
-        if c.qkv_bias:
-            heads = hq if module == "q_proj" else hkv
-            layer[f"self_attn.{module}.bias"] = (field, lambda t, n=heads: t.reshape(n, hd))
-    if c.o_bias:
-        layer["self_attn.o_proj.bias"] = ("bo", ident)
-    if c.mlp_bias:
-        layer.update({f"mlp.{m}_proj.bias": (f"b_{m}", ident) for m in ("gate", "up", "down")})
-    for suffix, (field, fn) in layer.items():
+    for suffix, (field, fn) in layer_tensors(c).items():  # the layer is a llama layer reading 2D features
         table["midlayer." + suffix] = (("layer", field), fn)
     return table
 

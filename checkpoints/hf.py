@@ -118,11 +118,43 @@ def _heads(n: int, hd: int) -> Callable[[np.ndarray], np.ndarray]:
     return lambda t: t.T.reshape(t.shape[1], n, hd)
 
 
-def _name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Callable[[np.ndarray], np.ndarray]]]:
-    """HF tensor name -> (path into Weights, transform from the stored array)."""
-    hq, hkv, hd, vp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, W.padded_vocab(cfg)
+def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:
+    """A decoder layer's HF tensor names (after `model.layers.{i}.`) -> (LayerWeights field,
+    transform from the stored array)."""
+    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     ident = lambda t: t  # noqa: E731
     transpose = lambda t: t.T  # noqa: E731
+    layer = {
+        "input_layernorm.weight": ("attn_norm", ident),
+        "post_attention_layernorm.weight": ("mlp_norm", ident),
+        "self_attn.q_proj.weight": ("wq", _heads(hq, hd)),
+        "self_attn.k_proj.weight": ("wk", _heads(hkv, hd)),
+        "self_attn.v_proj.weight": ("wv", _heads(hkv, hd)),
+        "self_attn.o_proj.weight": ("wo", lambda t: t.T.reshape(hq, hd, t.shape[0])),
+        "mlp.gate_proj.weight": ("w_gate", transpose),
+        "mlp.up_proj.weight": ("w_up", transpose),
+        "mlp.down_proj.weight": ("w_down", transpose),
+    }
+    if cfg.qkv_bias:
+        layer["self_attn.q_proj.bias"] = ("bq", lambda t: t.reshape(hq, hd))
+        layer["self_attn.k_proj.bias"] = ("bk", lambda t: t.reshape(hkv, hd))
+        layer["self_attn.v_proj.bias"] = ("bv", lambda t: t.reshape(hkv, hd))
+    if cfg.o_bias:
+        layer["self_attn.o_proj.bias"] = ("bo", ident)
+    if cfg.qk_norm:
+        layer["self_attn.q_norm.weight"] = ("q_norm", ident)
+        layer["self_attn.k_norm.weight"] = ("k_norm", ident)
+    if cfg.mlp_bias:
+        layer["mlp.gate_proj.bias"] = ("b_gate", ident)
+        layer["mlp.up_proj.bias"] = ("b_up", ident)
+        layer["mlp.down_proj.bias"] = ("b_down", ident)
+    return layer
+
+
+def _name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Callable[[np.ndarray], np.ndarray]]]:
+    """HF tensor name -> (path into Weights, transform from the stored array)."""
+    vp = W.padded_vocab(cfg)
+    ident = lambda t: t  # noqa: E731
 
     def pad_rows(t: np.ndarray) -> np.ndarray:
         return np.pad(t, ((0, vp - t.shape[0]), (0, 0)))
@@ -133,32 +165,9 @@ def _name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Callable[[
     }
     if not cfg.tie_word_embeddings:
         table["lm_head.weight"] = (("lm_head",), lambda t: pad_rows(t).T)
+    layer = layer_tensors(cfg)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        layer = {
-            "input_layernorm.weight": ("attn_norm", ident),
-            "post_attention_layernorm.weight": ("mlp_norm", ident),
-            "self_attn.q_proj.weight": ("wq", _heads(hq, hd)),
-            "self_attn.k_proj.weight": ("wk", _heads(hkv, hd)),
-            "self_attn.v_proj.weight": ("wv", _heads(hkv, hd)),
-            "self_attn.o_proj.weight": ("wo", lambda t: t.T.reshape(hq, hd, t.shape[0])),
-            "mlp.gate_proj.weight": ("w_gate", transpose),
-            "mlp.up_proj.weight": ("w_up", transpose),
-            "mlp.down_proj.weight": ("w_down", transpose),
-        }
-        if cfg.qkv_bias:
-            layer["self_attn.q_proj.bias"] = ("bq", lambda t: t.reshape(hq, hd))
-            layer["self_attn.k_proj.bias"] = ("bk", lambda t: t.reshape(hkv, hd))
-            layer["self_attn.v_proj.bias"] = ("bv", lambda t: t.reshape(hkv, hd))
-        if cfg.o_bias:
-            layer["self_attn.o_proj.bias"] = ("bo", ident)
-        if cfg.qk_norm:
-            layer["self_attn.q_norm.weight"] = ("q_norm", ident)
-            layer["self_attn.k_norm.weight"] = ("k_norm", ident)
-        if cfg.mlp_bias:
-            layer["mlp.gate_proj.bias"] = ("b_gate", ident)
-            layer["mlp.up_proj.bias"] = ("b_up", ident)
-            layer["mlp.down_proj.bias"] = ("b_down", ident)
         for suffix, (field, fn) in layer.items():
             table[p + suffix] = (("layers", i, field), fn)
     return table

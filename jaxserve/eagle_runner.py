@@ -9,11 +9,12 @@ tokens:
   fill(arrays, shift, aux, sampled)  right after the target step's sampler, over the same token rows:
         each row's next token is known on the host (prompt tokens: `shift.token_ids`) or is this
         step's sampled id (`shift.sample_row`, read on the device); writes the head's K/V for
-        every row and keeps, per sampler row, its first draft (the head's argmax) and its pre-norm
-        output, on the device.
+        every row and keeps, per sampler row, its pre-norm output on the device (no lm_head: most
+        steps propose nothing, and the head's lm_head can cost as much as the target's).
   propose(chunks, rows, num_drafts)  before the next step, for decodes with draft slots: the first
-        draft is the last fill's argmax at the row that sampled the sequence's last token; each
-        further draft is one batched forward of the previous draft over the head's own output.
+        draft is the head's argmax over the last fill's output at the row that sampled the
+        sequence's last token; each further draft is one batched forward of the previous draft
+        over the head's own output.
 
 No host sync inside a step; the ids reach the host once per proposal. Rejected rows' K/V (the
 fill writes every row of a verified run) lies past the sequence's length and is overwritten later.
@@ -51,22 +52,34 @@ class EagleArrays(NamedTuple):
 
 def _eagle_packed(weights: eagle3.Eagle3Weights, target_embed: jax.Array, kv: kv_cache.KVPages, packed: jax.Array,
                   prev_ids: jax.Array, hidden: jax.Array, spec: PackSpec, cfg: eagle3.Eagle3Config,
-                  attention_fn: Any, combine: bool, width: int) -> tuple[jax.Array, jax.Array, kv_cache.KVPages]:
+                  attention_fn: Any, combine: bool, width: int
+                  ) -> tuple[jax.Array | None, jax.Array, kv_cache.KVPages]:
     """One head forward. hidden: the target's aux states [T, 3 Dt] (combine: a fill) or the previous
-    forward's outputs [width, D] read at hidden_row (a proposal). Returns the sampler-row drafts
-    padded to [width], their pre-norm outputs [width, D] and the pages."""
+    forward's outputs [width, D] read at hidden_row (a proposal). Returns the sampler rows' drafts
+    padded to [width] (a proposal; a fill computes none: most steps propose nothing), their pre-norm
+    outputs padded to [width, D], and the pages."""
     arrays, hidden_row = unpack(packed, spec)
     h = hidden if combine else jnp.take(hidden, hidden_row, axis=0)
     embed = weights.embed if weights.embed is not None else target_embed
-    ids, out, layer = eagle3.forward(weights, cfg, embed, resolve_token_ids(arrays, prev_ids), arrays.positions, h,
-                                     paged_attend(cfg.layer, arrays, attention_fn), kv.layers()[0],
-                                     arrays.logits_index, combine=combine)
-    pad = width - ids.shape[0]
-    return (jnp.pad(ids, (0, pad)), jnp.pad(out, ((0, pad), (0, 0))), kv_cache.KVPages.from_layers([layer]))
+    out, layer = eagle3.forward(weights, cfg, embed, resolve_token_ids(arrays, prev_ids), arrays.positions, h,
+                                paged_attend(cfg.layer, arrays, attention_fn), kv.layers()[0], arrays.logits_index,
+                                combine=combine)
+    pad = width - out.shape[0]
+    ids = None if combine else jnp.pad(eagle3.draft_ids(weights, cfg, out), (0, pad))
+    return ids, jnp.pad(out, ((0, pad), (0, 0))), kv_cache.KVPages.from_layers([layer])
 
 
 _eagle_step = jax.jit(_eagle_packed, static_argnames=("spec", "cfg", "attention_fn", "combine", "width"),
                       donate_argnames=("kv",))
+
+
+def _first(weights: eagle3.Eagle3Weights, hidden: jax.Array, rows: jax.Array, cfg: eagle3.Eagle3Config
+           ) -> jax.Array:
+    """[width] drafts from the fill's outputs [width, D] at rows [width] (padding rows: any)."""
+    return eagle3.draft_ids(weights, cfg, jnp.take(hidden, rows, axis=0))
+
+
+_first_drafts = jax.jit(_first, static_argnames=("cfg",))
 
 
 def _duplicate_kv_heads(cfg: eagle3.Eagle3Config, weights: eagle3.Eagle3Weights, mesh: Mesh
@@ -102,16 +115,15 @@ class EagleRunner:
         self._buckets = declared_buckets(engine_cfg)
         self._width = rows_width(engine_cfg)
         self._pad_slot = engine_cfg.num_kv_pages * engine_cfg.page_size
-        # the last fill's outputs per sampler row: first drafts [width], pre-norm outputs [width, D]
-        self._ids = put(np.zeros(self._width, np.int32))
-        self._hidden = put(np.zeros((self._width, self.cfg.hidden_size), jnp.dtype(dtype)))
+        self._hidden = put(np.zeros((self._width, self.cfg.hidden_size), jnp.dtype(dtype)))  # the last
+        # fill's pre-norm output per sampler row [width, D]
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
         return self.cfg.aux_layers
 
     def _run(self, arrays: EagleArrays, prev_ids: jax.Array, hidden: jax.Array, combine: bool
-             ) -> tuple[jax.Array, jax.Array]:
+             ) -> tuple[jax.Array | None, jax.Array]:
         packed, spec = pack(arrays)
         ids, out, self.kv = _eagle_step(self.weights, self._target_embed, self.kv, self._put(packed), prev_ids,
                                         hidden, spec=spec, cfg=self.cfg, attention_fn=self._attention,
@@ -123,33 +135,37 @@ class EagleRunner:
         target states; sampled: the step's sampled ids padded to [width] (the sampler's output)."""
         step = arrays._replace(token_ids=shift.token_ids, prev_sample_row=shift.sample_row, lora_slot=None)
         zeros = np.zeros(len(shift.token_ids), np.int32)
-        self._ids, self._hidden = self._run(EagleArrays(step, zeros), sampled, aux, combine=True)
+        _, self._hidden = self._run(EagleArrays(step, zeros), sampled, aux, combine=True)
 
     def copy_pages(self, copy_fn: Any, src: jax.Array, dst: jax.Array) -> None:
         self.kv = copy_fn(self.kv, src, dst)
 
+    def _first(self, rows: Sequence[int]) -> jax.Array:
+        padded = np.zeros(self._width, np.int32)
+        padded[:len(rows)] = rows
+        return _first_drafts(self.weights, self._hidden, self._put(padded), cfg=self.cfg)
+
     def propose(self, chunks: Sequence[ScheduledChunk], rows: Sequence[int], num_drafts: Sequence[int]
                 ) -> list[list[int]]:
         """Greedy drafts for decode chunks whose last token (at start_pos) was sampled at `rows[i]` of
-        the last fill: num_drafts[i] ids each. Forward j (j >= 1) feeds draft j at position
-        start + j - 1 (written only while j < num_drafts[i]: pages exist there) and yields draft j + 1."""
+        the last fill: num_drafts[i] ids each. The first from the fill's output at that row; forward
+        j (j >= 1) feeds draft j at position start + j - 1 (written only while j < num_drafts[i]:
+        pages exist there) and yields draft j + 1."""
         n = len(chunks)
         wanted = np.asarray(num_drafts, np.int32)
         tables, starts = proposal_tables(chunks, self.engine_cfg.max_pages_per_seq)
-        source = np.asarray(rows, np.int32)  # where each row's token and hidden state come from
-        ids, hidden = self._ids, self._hidden
+        ids, hidden, hidden_rows = self._first(rows), self._hidden, np.asarray(rows, np.int32)
         drafted = [ids]
         for j in range(1, max(num_drafts)):
             step = proposal_arrays(self._buckets, self.engine_cfg.page_size, self._pad_slot, tables, starts, j - 1,
-                                   j < wanted, None, source)
+                                   j < wanted, None, np.arange(n, dtype=np.int32))
             hidden_row = np.zeros(len(step.token_ids), np.int32)
-            hidden_row[:n] = source
+            hidden_row[:n] = hidden_rows
             ids, hidden = self._run(EagleArrays(step, hidden_row), ids, hidden, combine=False)
             drafted.append(ids)
-            source = np.arange(n, dtype=np.int32)
-        got = jax.device_get(drafted)
-        first = got[0][np.asarray(rows, np.int64)]
-        return [[int(first[i]), *(int(got[j][i]) for j in range(1, d))] for i, d in enumerate(num_drafts)]
+            hidden_rows = np.arange(n, dtype=np.int32)
+        got = jax.device_get(drafted)                                       # [steps][width]
+        return [[int(got[j][i]) for j in range(d)] for i, d in enumerate(num_drafts)]
 
     def warm_fill(self, program: Program, aux: jax.Array, sampled: jax.Array) -> None:
         """Compiles and runs the fill of one target forward program, over that forward's real aux
@@ -159,9 +175,9 @@ class EagleRunner:
         self.fill(arrays, EagleShift(np.zeros(t, np.int32), np.full(t, -1, np.int32)), aux, sampled)
 
     def warm_propose(self) -> int:
-        """Compiles and runs the proposal forward of every bucket a proposal can pick (n sequences
-        in a bucket of n tokens), twice: from a fill's outputs and from a proposal's; returns how
-        many buckets."""
+        """Compiles and runs the first drafts and the proposal forward of every bucket a proposal
+        can pick (n sequences in a bucket of n tokens), twice: from a fill's outputs and from a
+        proposal's; returns how many buckets."""
         cfg = self.engine_cfg
         buckets = {choose_bucket(self._buckets, n, n): n for n in range(cfg.max_num_seqs, 0, -1)}
         for n in buckets.values():
@@ -169,7 +185,7 @@ class EagleRunner:
                                    np.zeros((n, cfg.max_pages_per_seq), np.int32), np.zeros(n, np.int32), 0,
                                    np.zeros(n, bool), None, np.zeros(n, np.int32))
             arrays = EagleArrays(step, np.zeros(len(step.token_ids), np.int32))
-            ids, hidden = self._run(arrays, self._ids, self._hidden, combine=False)
+            ids, hidden = self._run(arrays, self._first([0]), self._hidden, combine=False)
             jax.block_until_ready(self._run(arrays, ids, hidden, combine=False))
         return len(buckets)
 

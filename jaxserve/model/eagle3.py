@@ -143,14 +143,14 @@ def logical_dims(cfg: Eagle3Config) -> dict[str, int]:
 
 def forward(w: Eagle3Weights, cfg: Eagle3Config, embed: jax.Array, tokens: jax.Array, positions: jax.Array,
             hidden: jax.Array, attend: Attend, cache: Any, rows: jax.Array, *, combine: bool
-            ) -> tuple[jax.Array, jax.Array, Any]:
+            ) -> tuple[jax.Array, Any]:
     """One draft forward over a flat batch of token rows.
 
     embed: [Vp, D] the embedding table (the head's or the target's); tokens, positions: [T] int32
     (tokens[i] is the token *after* row i's position); hidden: [T, 3 Dt] the target's aux states
-    (combine=True) or [T, D] the head's previous pre-norm outputs; rows: [R] the rows to propose from.
-    Returns (greedy draft ids as target ids [R] int32, the pre-norm outputs of those rows [R, D],
-    the updated cache)."""
+    (combine=True) or [T, D] the head's previous pre-norm outputs; rows: [R] the rows to keep.
+    Returns (the pre-norm outputs of those rows [R, D], the updated cache); `draft_ids` turns
+    outputs into drafts."""
     c = cfg.layer
     h = einsum("...i,id->...d", hidden.astype(w.fc.dtype), w.fc) if combine else hidden
     h_normed = rms_norm(h, w.hidden_norm, c.rms_norm_eps)
@@ -164,9 +164,11 @@ def forward(w: Eagle3Weights, cfg: Eagle3Config, embed: jax.Array, tokens: jax.A
     o = einsum("...hk,hkd->...d", out, w.layer.wo)
     h = residual + (o if w.layer.bo is None else o + w.layer.bo)
     h = h + mlp(w.layer, rms_norm(h, w.layer.mlp_norm, c.rms_norm_eps))           # pre-norm output [T, D]
-    picked = jnp.take(h, rows, axis=0)                                              # [R, D]
-    logits = einsum("...d,dv->...v", rms_norm(picked, w.final_norm, c.rms_norm_eps), w.lm_head,
-                    preferred_element_type=jnp.float32)[:, :cfg.draft_vocab_size]
-    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return w.d2t[best], picked, cache
+    return jnp.take(h, rows, axis=0), cache
 
+
+def draft_ids(w: Eagle3Weights, cfg: Eagle3Config, out: jax.Array) -> jax.Array:
+    """Pre-norm outputs [R, D] -> the greedy drafts as target ids [R] int32 (through d2t)."""
+    logits = einsum("...d,dv->...v", rms_norm(out, w.final_norm, cfg.layer.rms_norm_eps), w.lm_head,
+                    preferred_element_type=jnp.float32)[:, :cfg.draft_vocab_size]
+    return w.d2t[jnp.argmax(logits, axis=-1).astype(jnp.int32)]
