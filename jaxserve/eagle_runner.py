@@ -73,13 +73,15 @@ _eagle_step = jax.jit(_eagle_packed, static_argnames=("spec", "cfg", "attention_
                       donate_argnames=("kv",))
 
 
-def _first(weights: eagle3.Eagle3Weights, hidden: jax.Array, rows: jax.Array, cfg: eagle3.Eagle3Config
-           ) -> jax.Array:
-    """[width] drafts from the fill's outputs [width, D] at rows [width] (padding rows: any)."""
-    return eagle3.draft_ids(weights, cfg, jnp.take(hidden, rows, axis=0))
+def _first(weights: eagle3.Eagle3Weights, hidden: jax.Array, rows: jax.Array, cfg: eagle3.Eagle3Config,
+           width: int) -> jax.Array:
+    """Drafts from the fill's outputs [width, D] at rows [S] (a sequence bucket: the lm_head runs
+    over S rows, not width), padded to [width] for the next forward's prev_ids."""
+    ids = eagle3.draft_ids(weights, cfg, jnp.take(hidden, rows, axis=0))
+    return jnp.pad(ids, (0, width - ids.shape[0]))
 
 
-_first_drafts = jax.jit(_first, static_argnames=("cfg",))
+_first_drafts = jax.jit(_first, static_argnames=("cfg", "width"))
 
 
 def _duplicate_kv_heads(cfg: eagle3.Eagle3Config, weights: eagle3.Eagle3Weights, mesh: Mesh
@@ -141,9 +143,9 @@ class EagleRunner:
         self.kv = copy_fn(self.kv, src, dst)
 
     def _first(self, rows: Sequence[int]) -> jax.Array:
-        padded = np.zeros(self._width, np.int32)
+        padded = np.zeros(choose_bucket(self._buckets, len(rows), len(rows))[1], np.int32)
         padded[:len(rows)] = rows
-        return _first_drafts(self.weights, self._hidden, self._put(padded), cfg=self.cfg)
+        return _first_drafts(self.weights, self._hidden, self._put(padded), cfg=self.cfg, width=self._width)
 
     def propose(self, chunks: Sequence[ScheduledChunk], rows: Sequence[int], num_drafts: Sequence[int]
                 ) -> list[list[int]]:
@@ -185,7 +187,7 @@ class EagleRunner:
                                    np.zeros((n, cfg.max_pages_per_seq), np.int32), np.zeros(n, np.int32), 0,
                                    np.zeros(n, bool), None, np.zeros(n, np.int32))
             arrays = EagleArrays(step, np.zeros(len(step.token_ids), np.int32))
-            ids, hidden = self._run(arrays, self._first([0]), self._hidden, combine=False)
+            ids, hidden = self._run(arrays, self._first([0] * n), self._hidden, combine=False)
             jax.block_until_ready(self._run(arrays, ids, hidden, combine=False))
         return len(buckets)
 

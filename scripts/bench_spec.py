@@ -17,7 +17,8 @@ sampled workload rarely repeats, so it shows the cost of drafts that are mostly 
 acceptance figures say which regime each row is in.
 
 `--method eagle3` proposes with an EAGLE-3 head instead: `--head DIR`, or (default) a random head
-written for the preset in the Hugging Face layout (tests/eagle3_heads.py, needs the test extra).
+written for the preset in the Hugging Face layout (tests/eagle3_heads.py, needs the test extra)
+with a 32,000-token draft vocabulary like the published heads.
 A random head's drafts are almost never accepted, so that run measures what the head costs: its
 fill after every target step and its k - 1 proposal forwards, with nothing gained back.
 """
@@ -38,6 +39,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_common import cpu_model, engine_run_args, run_requests  # noqa: E402
 from bench_engine import PRESETS, preset_model  # noqa: E402
 
+DRAFT_VOCAB = 32000  # the published EAGLE-3 heads' draft vocabulary (of Llama 3's 128,256)
 WORKLOADS = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0, top_p=0.95)}
 
 
@@ -53,7 +55,7 @@ def make_core(model_cfg, weights, max_num_seqs: int, spec: dict | None):
 
 
 def random_head(preset: str, model_cfg) -> Path:
-    """A random EAGLE-3 head for the preset's model, written once under /tmp (HF layout)."""
+    """A random EAGLE-3 head for the preset's model, written under /tmp (HF layout)."""
     import types
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -63,11 +65,12 @@ def random_head(preset: str, model_cfg) -> Path:
     target = types.SimpleNamespace(config=types.SimpleNamespace(
         hidden_size=model_cfg.hidden_size, vocab_size=model_cfg.vocab_size,
         max_position_embeddings=model_cfg.max_position_embeddings, num_hidden_layers=model_cfg.num_layers))
-    config = head_config(target, intermediate_size=model_cfg.intermediate_size,
+    n = model_cfg.num_layers
+    config = head_config(target, draft_vocab=DRAFT_VOCAB, aux_layers=[1, n // 2, n - 1],
+                         intermediate_size=model_cfg.intermediate_size,
                          num_attention_heads=model_cfg.num_heads, num_key_value_heads=model_cfg.num_kv_heads,
                          head_dim=model_cfg.head_dim)
-    if not (out / "config.json").is_file():
-        write_head(out, config)
+    write_head(out, config)
     return out
 
 
