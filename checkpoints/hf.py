@@ -151,6 +151,23 @@ def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray
     return layer
 
 
+# family -> (the MoE block's module name, its router's, the expert projections gate / up / down)
+_MOE_NAMES = {"qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+              "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2"))}
+
+
+def _moe_tensors(cfg: ModelConfig, prefix: str, i: int) -> dict[str, tuple[tuple[Any, ...], Callable]]:
+    """A sparse layer's HF tensors: the router, and each expert's projections as one entry per
+    expert (path ("layers", i, field, e)), stacked into the [E, ...] leaf by load_weights."""
+    block, router, projections = _MOE_NAMES[cfg.family]
+    table: dict[str, tuple[tuple[Any, ...], Callable]] = {
+        f"{prefix}{block}.{router}.weight": (("layers", i, "router"), lambda t: t.T)}
+    for e in range(cfg.moe.num_experts):
+        for name, field in zip(projections, ("we_gate", "we_up", "we_down")):
+            table[f"{prefix}{block}.experts.{e}.{name}.weight"] = (("layers", i, field, e), lambda t: t.T)
+    return table
+
+
 def _name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Callable[[np.ndarray], np.ndarray]]]:
     """HF tensor name -> (path into Weights, transform from the stored array)."""
     vp = W.padded_vocab(cfg)
@@ -168,6 +185,12 @@ def _name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Callable[[
     layer = layer_tensors(cfg)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        if cfg.moe is not None and cfg.moe.layers[i]:
+            table.update(_moe_tensors(cfg, p, i))
+            for suffix, (field, fn) in layer.items():
+                if not suffix.startswith("mlp."):
+                    table[p + suffix] = (("layers", i, field), fn)
+            continue
         for suffix, (field, fn) in layer.items():
             table[p + suffix] = (("layers", i, field), fn)
     return table
@@ -208,6 +231,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
                    if n.endswith(".weight") and W.is_quantized(_get(spec_tree, path))}
     pending: dict[str, dict[str, np.ndarray]] = {}
     out = jax.tree.map(lambda _: None, spec_tree, is_leaf=lambda x: W.is_spec(x) or W.is_quantized(x))
+    experts: dict[tuple[Any, ...], dict[int, np.ndarray]] = {}  # MoE leaves still missing experts
     seen: set[str] = set()      # table entries placed
     received: set[str] = set()  # every tensor name read
     for name, read in _iter_tensors(_safetensors_files(model_dir)):
@@ -241,9 +265,12 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
             raise ValueError(f"unexpected tensor {name!r} in {model_dir} for a {cfg.architecture} config")
         seen.add(name)
         path, transform = table[name]
+        expert = path[3] if len(path) == 4 else None  # one expert's slice of a stacked [E, ...] leaf
+        path = path[:3] if expert is not None else path
         spec = _get(spec_tree, path)
         online = W.is_quantized(spec)
         shape = spec.qvalue.shape if online else spec.shape
+        shape = shape[1:] if expert is not None else shape
         raw = read()
         try:
             host = np.ascontiguousarray(transform(raw))
@@ -252,7 +279,14 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
         if host.shape != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(raw.shape)} (as {host.shape} after layout), "
                              f"expected {shape} from config.json")
-        if online:  # quantized on the host, so only the packed values are placed
+        if expert is not None:
+            stack = experts.setdefault(path, {})
+            stack[expert] = host.astype(jnp.dtype(dtype))
+            if len(stack) < spec.shape[0]:
+                continue
+            host = np.stack([stack[e] for e in range(spec.shape[0])])
+            del experts[path]
+        elif online:  # quantized on the host, so only the packed values are placed
             values, scale = quant_host.quantize(host, spec.qtype, spec.scale.shape)
             host = spec.replace(qvalue=values, scale=scale.astype(jnp.dtype(dtype)))
         else:

@@ -90,12 +90,21 @@ def model_context(cfg: ModelConfig) -> int:
     return cfg.max_position_embeddings
 
 
+def active_mlp_width(cfg: ModelConfig, layer: int) -> int:
+    """The MLP width one token passes through in a layer: the dense intermediate size, or its top-k
+    experts' widths (plus the router's outputs) in a sparse MoE layer."""
+    moe = cfg.moe
+    if moe is not None and moe.layers[layer]:
+        return moe.top_k * moe.intermediate_size + moe.num_experts // 3
+    return cfg.intermediate_size
+
+
 def flops_per_token(cfg: ModelConfig) -> int:
-    """Matmul FLOPs of one token through the layers (attention scores excluded: context-dependent)."""
+    """Matmul FLOPs of one token through the layers (attention scores excluded: context-dependent;
+    a mixture of experts counts the experts a token is routed to)."""
     d, hd = cfg.hidden_size, cfg.head_dim
     attn = d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    mlp = 3 * d * cfg.intermediate_size
-    return 2 * cfg.num_layers * (attn + mlp)
+    return 2 * sum(attn + 3 * d * active_mlp_width(cfg, i) for i in range(cfg.num_layers))
 
 
 def flops_per_sampled_row(cfg: ModelConfig) -> int:
@@ -115,8 +124,9 @@ def step_temp_bytes(cfg: ModelConfig, tokens: int, rows: int, itemsize: int, mod
     `tokens` rows plus the logits and the sampler's vocab-wide arrays over `rows` rows (f32).
     Checked against XLA's memory analysis in tests/test_capacity.py."""
     d, hd = cfg.hidden_size, cfg.head_dim
-    width = (4 * d + 2 * hd * (cfg.num_heads + 2 * cfg.num_kv_heads) // model_axis
-             + 3 * cfg.intermediate_size // model_axis)
+    mlp = max(active_mlp_width(cfg, i) for i in range(cfg.num_layers))
+    width = (4 * d + 2 * hd * (cfg.num_heads + 2 * cfg.num_kv_heads) // model_axis + 3 * mlp // model_axis
+             + (2 * cfg.moe.top_k * d if cfg.moe is not None else 0))  # MoE: rows sorted by expert, outputs
     activations = tokens * width * max(itemsize, 4)
     vocab_arrays = 8 * rows * cfg.padded_vocab_size * 4  # logits, processed logits, CDF blocks, masks
     # The jnp attention path gathers K/V per chunk: decodes in chunks of up to 128 positions for

@@ -26,6 +26,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 VOCAB_PAD = 128
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -53,6 +55,17 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Sparse mixture-of-experts MLPs (Qwen3-MoE, Mixtral): softmax over the router's logits, the
+    top-k experts per token, their weights renormalised to sum to one where the model says so."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int         # each expert's MLP width
+    renormalize: bool              # Mixtral always; Qwen3-MoE: norm_topk_prob
+    layers: tuple[bool, ...]       # per layer: a sparse MoE block (else the dense MLP)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     family: str
@@ -76,6 +89,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quantization: WeightQuant | None = None  # quantized weights (quant/scheme.py); None: full precision
+    moe: MoEConfig | None = None  # sparse MLP layers (Qwen3-MoE, Mixtral); None: every MLP dense
 
     @property
     def q_per_kv(self) -> int:
@@ -162,9 +176,30 @@ def _parse_rope(cfg: dict, max_pos: int) -> RopeConfig:
     )
 
 
+def _parse_moe(cfg: dict, family: str, num_layers: int) -> MoEConfig | None:
+    """The MoE fields of a Qwen3-MoE or Mixtral config.json (None for dense families)."""
+    if family == "mixtral":
+        experts, width, renormalize = _positive_int(cfg, "num_local_experts"), _positive_int(cfg, "intermediate_size"), True
+        layers = (True,) * num_layers
+    elif family == "qwen3_moe":
+        key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+        experts, width = _positive_int(cfg, key), _positive_int(cfg, "moe_intermediate_size")
+        renormalize = bool(cfg.get("norm_topk_prob", False))
+        step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
+        layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    else:
+        return None
+    top_k = _positive_int(cfg, "num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(f"config.json num_experts_per_tok {top_k} exceeds the {experts} experts")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError("config.json has shared experts (shared_expert_intermediate_size); not supported")
+    return MoEConfig(experts, top_k, width, renormalize, layers)
+
+
 def _layer_windows(cfg: dict, family: str, num_layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return (window,) * num_layers
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
@@ -230,10 +265,11 @@ def _parse_hf(cfg: dict) -> ModelConfig:
         qkv_bias=True if family == "qwen2" else attention_bias,
         o_bias=False if family == "qwen2" else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         layer_windows=_layer_windows(cfg, family, num_layers),
         dtype=dtype_name,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, quantization=quantization,
+        moe=_parse_moe(cfg, family, num_layers),
     )
 
 

@@ -22,6 +22,8 @@ RULE_SETS: dict[str, tuple[tuple[str, str | None], ...]] = {
     "tp-vocab-replicated": tuple((k, None if k == "vocab" else v) for k, v in sharding.DEFAULT_RULES),
     # KV heads whole on every device even when the model axis could split or duplicate them
     "tp-kv-replicated": tuple((k, None if k == "kv_heads" else v) for k, v in sharding.DEFAULT_RULES),
+    # MoE: whole experts split over the model axis (expert parallelism) instead of TP inside each
+    "tp-ep": tuple((k, {"expert": MODEL, "expert_mlp": None}.get(k, v)) for k, v in sharding.DEFAULT_RULES),
 }
 
 
@@ -60,6 +62,8 @@ def check_divides(layout: Layout, cfg: ModelConfig) -> list[str]:
     rules = dict(layout.rules)
     dims = {"q_heads": ("query heads (num_attention_heads)", cfg.num_heads),
             "mlp": ("MLP width (intermediate_size)", cfg.intermediate_size),
+            **({"expert": ("experts", cfg.moe.num_experts),
+                "expert_mlp": ("expert MLP width", cfg.moe.intermediate_size)} if cfg.moe is not None else {}),
             "vocab": (f"padded vocabulary (vocab_size {cfg.vocab_size} padded)", cfg.padded_vocab_size)}
     for logical, (what, size) in dims.items():
         if rules.get(logical) == MODEL and size % tp:
@@ -86,6 +90,8 @@ def candidate_layouts(cfg: ModelConfig, num_devices: int) -> list[Layout]:
             layout = make_layout(name, num_devices, tp)
             if name != "tp" and tp == 1:
                 continue  # with one device per replica every rule set is the same layout
+            if name == "tp-ep" and cfg.moe is None:
+                continue  # the same layout as "tp" for a dense model
             try:
                 check_divides(layout, cfg)
             except ValueError:

@@ -123,6 +123,8 @@ class ModelRunner:
         self.eagle = (EagleRunner(*eagle, weights.embed, engine_cfg, mesh, self.dtype, self._put)
                       if eagle is not None else None)
         self._aux: jax.Array | None = None  # with an EAGLE-3 head: the last forward's [T, 3 D] states
+        if engine_cfg.enable_lora and model_cfg.moe is not None:
+            raise ValueError("--enable-lora: LoRA adapters on a mixture-of-experts model are not supported yet")
         self.lora = self._lora_slots() if engine_cfg.enable_lora else None
         self.warmed_up = False
         self.compilations_after_warmup = 0

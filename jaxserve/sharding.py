@@ -32,6 +32,8 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
     ("kv_heads", MODEL_AXIS),
     ("head_dim", None),
     ("mlp", MODEL_AXIS),
+    ("expert_mlp", MODEL_AXIS),  # MoE: tensor parallelism inside every expert
+    ("expert", None),
     ("tokens", None),
     ("pages", None),
     ("page_slots", None),

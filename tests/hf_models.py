@@ -32,17 +32,31 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "mistral-window": dict(family="mistral", sliding_window=8, tie_word_embeddings=False),
 }
 
+# Mixtures of experts: kept apart from VARIANTS (the quantization tests iterate over those).
+MOE_VARIANTS: dict[str, dict[str, Any]] = {
+    # every layer sparse but the second (mlp_only_layers), top-2 of 4 renormalised
+    "qwen3-moe": dict(family="qwen3_moe", head_dim=16, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False),
+    # top-2 of 6 experts without renormalisation, every layer sparse, tied embeddings
+    "qwen3-moe-unnormalized": dict(family="qwen3_moe", head_dim=16, num_experts=6, num_experts_per_tok=2,
+                                   moe_intermediate_size=24, norm_topk_prob=False, tie_word_embeddings=True),
+    "mixtral": dict(family="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                    tie_word_embeddings=False),
+}
+
 _CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
 }
 
 
 def make_hf_model(variant: str, directory: Path, seed: int = 0, **overrides: Any) -> tuple[Path, Any]:
     """Writes a random tiny model with `save_pretrained` and returns (dir, the torch model in eval mode)."""
-    spec = dict(VARIANTS[variant])
+    spec = dict(VARIANTS[variant] if variant in VARIANTS else MOE_VARIANTS[variant])
     family = spec.pop("family")
     config_cls, model_cls = _CLASSES[family]
     kwargs = {**_BASE, **spec, **overrides}

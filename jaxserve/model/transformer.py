@@ -1,7 +1,8 @@
 """The decoder-only transformer as one pure function over a weight pytree.
 
 `forward` owns everything but attention over the cache: embeddings, RMSNorm, q/k/v projections
-(with Qwen2 biases and Qwen3 q/k norms), RoPE, the SwiGLU MLP and the lm_head. Attention is a
+(with Qwen2 biases and Qwen3 q/k norms), RoPE, the SwiGLU MLP (or a sparse MoE block: model/moe.py)
+and the lm_head. Attention is a
 callable `attend(layer, q, k, v, cache) -> (out, cache)` so the same body serves the dense parity
 path (`model/dense.py`) and the ragged paged step (`model/paged.py`). Token axes are leading
 `...` axes: `[T]` for the ragged step, `[B, S]` for the dense path.
@@ -18,6 +19,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.lora import apply as lora_apply
 from jaxserve.model import rope
 from jaxserve.model.matmul import einsum
+from jaxserve.model.moe import moe_mlp
 from jaxserve.model.weights import LayerWeights, Weights
 
 # attend(layer_index, q [..., Hq, hd], k [..., Hkv, hd], v [..., Hkv, hd], cache) -> (out [..., Hq, hd], cache)
@@ -88,7 +90,8 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
         new_caches.append(cache)
         out = out.astype(x.dtype)
         x = x + lora_apply.add(_add(einsum("...hk,hkd->...d", out, layer.wo), layer.bo), "o_proj", out, lo)
-        x = x + mlp(layer, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), lo)
+        h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+        x = x + (mlp(layer, h, lo) if layer.router is None else moe_mlp(layer, h, cfg.moe))
     if logits_index is not None:
         x = jnp.take(x.reshape(-1, x.shape[-1]), logits_index, axis=0)
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)

@@ -16,6 +16,7 @@ multiplies through `model/matmul.py`, which takes either kind of leaf.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -50,6 +51,11 @@ class LayerWeights:
     b_gate: Any = None      # [F]       (mlp_bias)
     b_up: Any = None        # [F]
     b_down: Any = None      # [D]
+    # a sparse MoE block (cfg.moe, this layer) instead of the dense w_gate/w_up/w_down:
+    router: Any = None      # [D, E]
+    we_gate: Any = None     # [E, D, Fe]
+    we_up: Any = None       # [E, D, Fe]
+    we_down: Any = None     # [E, Fe, D]
 
 
 @struct.dataclass
@@ -66,8 +72,11 @@ def padded_vocab(cfg: ModelConfig) -> int:
 
 def logical_dims(cfg: ModelConfig) -> dict[str, int]:
     """Size of every logical axis, for `sharding.rules_for`."""
-    return {"vocab": padded_vocab(cfg), "embed": cfg.hidden_size, "q_heads": cfg.num_heads,
+    dims = {"vocab": padded_vocab(cfg), "embed": cfg.hidden_size, "q_heads": cfg.num_heads,
             "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "mlp": cfg.intermediate_size}
+    if cfg.moe is not None:
+        dims.update(expert=cfg.moe.num_experts, expert_mlp=cfg.moe.intermediate_size)
+    return dims
 
 
 def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
@@ -76,6 +85,9 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
     hq, hkv, vp = cfg.num_heads, cfg.num_kv_heads, padded_vocab(cfg)
 
     quant = cfg.quantization
+    if quant is not None and cfg.moe is not None:
+        raise ValueError("quantized weights of a mixture-of-experts model are not supported yet; serve it "
+                         "unquantized")
 
     def p(shape, axes, init="normal"):
         return ParamSpec(tuple(shape), dtype, tuple(axes), init)
@@ -88,7 +100,20 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
         from jaxserve.quant.layout import declare
         return declare(spec, quant, dtype, name)
 
-    def layer() -> LayerWeights:
+    def layer(i: int) -> LayerWeights:
+        if cfg.moe is not None and cfg.moe.layers[i]:
+            return dataclasses.replace(dense(), w_gate=None, w_up=None, w_down=None, b_gate=None, b_up=None,
+                                       b_down=None, **experts())
+        return dense()
+
+    def experts() -> dict[str, ParamSpec]:
+        e, fe = cfg.moe.num_experts, cfg.moe.intermediate_size
+        return dict(router=p([d, e], ["embed", None]),
+                    we_gate=p([e, d, fe], ["expert", "embed", "expert_mlp"]),
+                    we_up=p([e, d, fe], ["expert", "embed", "expert_mlp"]),
+                    we_down=p([e, fe, d], ["expert", "expert_mlp", "embed"]))
+
+    def dense() -> LayerWeights:
         return LayerWeights(
             attn_norm=p([d], ["embed"], "ones"),
             wq=proj([d, hq, hd], ["embed", "q_heads", "head_dim"], [0], "q_proj"),
@@ -112,7 +137,7 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
 
     return Weights(
         embed=p([vp, d], ["vocab", "embed"]),
-        layers=[layer() for _ in range(cfg.num_layers)],
+        layers=[layer(i) for i in range(cfg.num_layers)],
         final_norm=p([d], ["embed"], "ones"),
         lm_head=None if cfg.tie_word_embeddings else proj([d, vp], ["embed", "vocab"], [0], "lm_head",
                                                           quantize=quant is not None and quant.lm_head),

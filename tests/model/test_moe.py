@@ -1,0 +1,115 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral) against transformers' PyTorch models: full-sequence
+logits, greedy generation through the engine, tensor and expert parallelism on 8 fake devices equal
+to one device, and the grouped matmul against its definition."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import jax
+import jax.numpy as jnp
+from checkpoints import load_model
+from engine_utils import greedy, make_core, run_all
+from hf_models import MOE_VARIANTS, make_hf_model
+from jaxserve.layouts import RULE_SETS
+from jaxserve.model.dense import forward_dense
+from jaxserve.model.moe import grouped_matmul, route
+from jaxserve.request import Request
+from jaxserve.sharding import make_mesh
+
+from test_parity import _hf_generate, _hf_logits, assert_logits_close
+
+
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+def test_full_sequence_logits_match_transformers(variant, tmp_path):
+    path, model = make_hf_model(variant, tmp_path)
+    cfg, weights = load_model(path, make_mesh(1, 1))
+    assert cfg.moe is not None
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 40)).astype(np.int32)
+    mask = np.ones_like(ids)
+    ours = np.asarray(forward_dense(weights, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    assert_logits_close(ours, _hf_logits(model, ids, mask))
+    # the routing is not trivial: the tokens of this batch reach every expert
+    layer = next(lw for lw in weights.layers if lw.router is not None)
+    _, experts = route(layer, jnp.take(weights.embed, jnp.asarray(ids.reshape(-1)), axis=0), cfg.moe)
+    assert len(np.unique(np.asarray(experts))) == cfg.moe.num_experts
+
+
+def test_configs_name_the_sparse_layers():
+    import dataclasses
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.model.weights import abstract
+    from jaxserve.quant.scheme import online_scheme
+
+    base = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    assert ModelConfig.from_hf(base).moe.layers == (True,) * 4
+    assert ModelConfig.from_hf({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3]}).moe.layers == (
+        False, True, False, False)
+    with pytest.raises(ValueError, match="num_experts_per_tok 9 exceeds the 8 experts"):
+        ModelConfig.from_hf({**base, "num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match="shared experts"):
+        ModelConfig.from_hf({**base, "shared_expert_intermediate_size": 64})
+    quantized = dataclasses.replace(ModelConfig.from_hf(base), quantization=online_scheme("int8"))
+    with pytest.raises(ValueError, match="quantized weights of a mixture-of-experts model"):
+        abstract(quantized)
+
+
+def test_grouped_matmul_is_a_matmul_per_contiguous_group():
+    rng = np.random.default_rng(0)
+    lhs = rng.standard_normal((10, 8), dtype=np.float32)
+    rhs = rng.standard_normal((3, 8, 5), dtype=np.float32)
+    sizes = np.array([4, 0, 6], np.int32)  # an expert no token chose
+    want = np.concatenate([lhs[:4] @ rhs[0], lhs[4:] @ rhs[2]])
+    got = np.asarray(grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return make_hf_model("mixtral", tmp_path_factory.mktemp("mixtral"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    return make_hf_model("qwen3-moe", tmp_path_factory.mktemp("qwen3moe"))
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [60, 3, 3, 88, 12, 19, 4, 70, 21, 11, 56, 8, 23], list(range(3, 45))]
+
+
+@pytest.mark.parametrize("which", ["mixtral", "qwen3_moe"])
+def test_engine_greedy_equals_transformers_generate(which, request):
+    path, model = request.getfixturevalue(which)
+    cfg, weights = load_model(path, make_mesh(1, 1))
+    core = make_core(cfg, weights)
+    got = run_all(core, [Request(f"r{i}", p, greedy(12)) for i, p in enumerate(PROMPTS)])
+    for i, p in enumerate(PROMPTS):
+        assert got[f"r{i}"][0] == _hf_generate(model, [p], 12)[0], i
+    assert core.runner.compilations_after_warmup == 0
+
+
+@pytest.mark.parametrize("tp,rules", [(2, "tp"), (4, "tp"), (2, "tp-ep"), (4, "tp-ep")])
+def test_tensor_and_expert_parallel_equal_one_device(qwen3_moe, tp, rules):
+    """TP inside every expert (the expert MLP width split) and expert parallelism (whole experts per
+    device) give one device's logits."""
+    from checkpoints.hf import load_weights
+    from jaxserve.config import ModelConfig
+
+    path, _ = qwen3_moe
+    cfg = ModelConfig.from_hf(path)
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(2, 24)).astype(np.int32)
+    mask = np.ones_like(ids)
+    one = np.asarray(forward_dense(load_weights(path, cfg, make_mesh(1, 1)), cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    mesh = make_mesh(1, tp)
+    import jaxserve.model.weights as W
+    specs = W.abstract(cfg)
+    placed = jax.device_put(load_weights(path, cfg, make_mesh(1, 1)), W.shardings(specs, cfg, mesh, RULE_SETS[rules]))
+    experts = placed.layers[0].we_gate.sharding.spec
+    assert (experts[0] == "model") == (rules == "tp-ep") and (experts[2] == "model") == (rules == "tp")
+    sharded = np.asarray(forward_dense(placed, cfg, jnp.asarray(ids), jnp.asarray(mask)))
+    np.testing.assert_allclose(sharded, one, rtol=2e-5, atol=2e-5)
