@@ -275,8 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = pl.add_argument_group("target")
     g.add_argument("--target", required=True, help="tpu-v5e:2x4, tpu-v6e:2x2, tpu-v5p:2x2x1, gpu-h100:1x1x8, "
                    "gpu-h200:1x1x1, cpu, cpu:N (TPU: chip grid; GPU: slices x hosts x GPUs)")
-    g.add_argument("--layout", default="tp", help="logical-axis rules: tp (serving's default), "
-                   "tp-vocab-replicated or tp-kv-replicated (jaxserve/layouts.py RULE_SETS)")
+    g.add_argument("--layout", default="tp", help="logical-axis rules (jaxserve/layouts.py RULE_SETS): tp "
+                   "(serving's default), tp-ep (MoE: whole experts per device), tp-vocab-replicated or "
+                   "tp-kv-replicated")
     g.add_argument("--tp", type=int, default=None, help="devices per replica (default: every device of the "
                    "target; the rest run data-parallel replicas)")
     g.add_argument("--dtype", default="auto", help="auto (float32 on cpu, else the checkpoint's), float32, "

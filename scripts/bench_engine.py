@@ -31,12 +31,18 @@ PRESETS = {
                         num_key_value_heads=4, head_dim=32, vocab_size=151936),
     "bench-105m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                        num_key_value_heads=4, head_dim=64, vocab_size=151936),
+    # bench-105m with every MLP a Qwen3-MoE block: 8 experts of width 768, top-2, so a token passes
+    # through 1536 MLP columns per layer as in bench-105m (the same active parameters, 4x the MLP weights)
+    "bench-105m-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=512,
+                           intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                           head_dim=64, vocab_size=151936, num_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=768, norm_topk_prob=True),
 }
 
 
 def preset_config(name: str) -> dict:
-    return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", max_position_embeddings=4096,
-                tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, dtype="float32", **PRESETS[name])
+    return {**dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", max_position_embeddings=4096,
+                   tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, dtype="float32"), **PRESETS[name]}
 
 
 def preset_model(name: str):

@@ -117,7 +117,6 @@ class ServerState:
             self.strings = TokenStrings(lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
                                         tokenizer.convert_ids_to_tokens)
             self.load_seconds = time.monotonic() - start
-            self.status = "ready"
             # llguidance's view of the vocabulary takes ~1.5 s: build it now, not in a first request
             threading.Thread(target=lambda: self.grammars, name="jaxserve-grammars", daemon=True).start()
         except BaseException as e:
@@ -132,7 +131,8 @@ class ServerState:
                 self.config.on_load_failed(e)
             return
         if self.config.on_ready is not None:
-            self.config.on_ready(self)
+            self.config.on_ready(self)  # the "ready" log line comes before /health says so
+        self.status = "ready"
 
     def begin_drain(self) -> None:
         if self.status in ("loading", "ready"):
