@@ -122,6 +122,17 @@ def lower_program(program: Program, model_cfg: ModelConfig, engine_cfg: EngineCo
     there (model/attention.make_attention) and the same `rules`. The sampler's logits come
     vocab-split as the forward leaves them. aux_layers: a forward that also returns an EAGLE-3
     head's input states."""
+    if model_cfg.moe is None:
+        return _lower(program, model_cfg, engine_cfg, mesh, dtype, attention_fn, rules, aux_layers)
+    from jaxserve.model.moe import compile_scope
+
+    with compile_scope(mesh):  # the experts' kernels for the target's devices
+        return _lower(program, model_cfg, engine_cfg, mesh, dtype, attention_fn, rules, aux_layers)
+
+
+def _lower(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, dtype: Any,
+           attention_fn: Callable[..., jax.Array], rules: sharding.Rules, aux_layers: tuple[int, ...]
+           ) -> jax.stages.Lowered:
     replicated = sharding.replicated(mesh)
     host = lambda tree: abstract_packed(tree, mesh)  # noqa: E731
     num_pages, page_size = engine_cfg.num_kv_pages, engine_cfg.page_size

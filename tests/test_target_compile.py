@@ -138,3 +138,48 @@ def test_eagle3_programs_compile_for_two_h100s():
     from jaxserve.gpu_target import gpu_devices
 
     _eagle3_programs(gpu_devices("h100", "1x1x2"), 2, "__gpu$xla.gpu.triton")
+
+
+MOE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+       "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
+       "max_position_embeddings": 512, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+       "norm_topk_prob": True}
+
+
+def _kernel_calls(cfg, devices, rules: str, tp: int, marker: str) -> int:
+    """Kernel launches (`marker` custom calls) in the largest forward of `cfg` on `devices`."""
+    layout = make_layout(rules, len(devices), tp)
+    mesh = make_mesh(1, layout.tp, devices)
+    program = [p for p in serving_programs(ENGINE, cfg) if p.kind == "forward"][-1]
+    text = lower_program(program, cfg, ENGINE, mesh, "bfloat16", make_attention("auto", cfg, mesh, layout.rules),
+                         layout.rules).compile().as_text()
+    return sum(1 for line in text.splitlines() if marker in line and "custom-call(" in line)
+
+
+@pytest.mark.parametrize("rules", ["tp", "tp-ep"])
+def test_moe_forward_runs_its_grouped_matmuls_as_mosaic_kernels_on_tpu(rules):
+    """Each sparse layer's three expert projections are tokamax's Mosaic ragged-dot kernel on a
+    v6e-4 (TP=4: each expert's width split, or tp-ep: whole experts per device): at least three
+    more kernel launches per layer than the same model with dense MLPs (tokamax adds a launch of
+    its own to one of them)."""
+    import dataclasses
+
+    moe = ModelConfig.from_hf(MOE)
+    dense = dataclasses.replace(moe, moe=None)
+    devices = parse_target("tpu-v6e:2x2").devices()
+    extra = (_kernel_calls(moe, devices, rules, 4, "tpu_custom_call")
+             - _kernel_calls(dense, devices, rules, 4, "tpu_custom_call"))
+    assert 3 * moe.num_layers <= extra <= 4 * moe.num_layers
+
+
+@pytest.mark.gpu_compile
+def test_moe_forward_runs_its_grouped_matmuls_as_triton_kernels_on_two_h100s():
+    import dataclasses
+
+    from jaxserve.gpu_target import gpu_devices
+
+    moe = ModelConfig.from_hf(MOE)
+    devices = gpu_devices("h100", "1x1x2")
+    extra = (_kernel_calls(moe, devices, "tp", 2, "__gpu$xla.gpu.triton")
+             - _kernel_calls(dataclasses.replace(moe, moe=None), devices, "tp", 2, "__gpu$xla.gpu.triton"))
+    assert 3 * moe.num_layers <= extra <= 4 * moe.num_layers

@@ -10,6 +10,9 @@ The outputs return to (token, slot) order and are summed with the routing weight
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -30,9 +33,20 @@ def _tokamax():
     return tokamax
 
 
+def compile_scope(mesh: Any) -> contextlib.AbstractContextManager:
+    """Where programs are lowered for GPUs this process does not have (compile-only targets):
+    tokamax picks its kernels by the default device, so tell it to cross-compile; else nothing."""
+    if mesh.devices.flat[0].platform == "gpu" and jax.default_backend() != "gpu":
+        return _tokamax().config.cross_compile(True)
+    return contextlib.nullcontext()
+
+
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """lhs [M, K] rows grouped contiguously by group_sizes [G]; rhs [G, K, N] -> [M, N]."""
-    return _tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
+    """lhs [M, K] rows grouped contiguously by group_sizes [G]; rhs [G, K, N] -> [M, N]. 16-bit
+    operands multiply at the default precision whatever jax_default_matmul_precision says (their
+    products are exact in the float32 accumulator; Mosaic rejects a float32 contract for them)."""
+    precision = jax.lax.Precision.DEFAULT if lhs.dtype.itemsize == 2 else None
+    return _tokamax().ragged_dot(lhs, rhs, group_sizes, precision=precision, preferred_element_type=lhs.dtype)
 
 
 def route(layer: LayerWeights, x: jax.Array, moe: MoEConfig) -> tuple[jax.Array, jax.Array]:
