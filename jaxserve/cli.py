@@ -236,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--vllm-metric-names", action="store_true",
+                   help="/metrics also exposes the queue, running and KV-cache gauges, cache_config_info and "
+                   "lora_requests_info under vLLM's names (vllm:...), which gateway endpoint pickers (Gateway API "
+                   "Inference Extension, GKE Inference Gateway, llm-d) read by default")
     g = s.add_argument_group("tools and reasoning")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints; needs "
@@ -334,7 +338,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                                   request_timeout=args.request_timeout, max_request_bytes=args.max_request_bytes,
                                   reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                                   enable_auto_tool_choice=args.enable_auto_tool_choice,
-                                  allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                                  allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                                  vllm_metric_names=args.vllm_metric_names)
         return serve(args.model, _engine_config(args, names[0]), server_cfg, args.host, args.port,
                      args.shutdown_timeout, args.log_level, args.access_log, not args.no_progress)
     if args.command == "generate":

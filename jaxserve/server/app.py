@@ -39,7 +39,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def build_app(loader: Loader, config: ServerConfig) -> Starlette:
     """An app that loads the model with `loader` on a background thread once it starts serving."""
-    state = ServerState(loader, config, ServerMetrics(config.served_model_names[0]))
+    state = ServerState(loader, config, ServerMetrics(config.served_model_names[0], config.vllm_metric_names))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -28,7 +28,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, vllm_names: bool = False) -> None:
+        """vllm_names: the engine gauges also under vLLM's names (see _EngineCollector)."""
         self.registry = CollectorRegistry()
         reg, labels = self.registry, ["model_name"]
 
@@ -52,7 +53,7 @@ class ServerMetrics:
         success = Counter("jaxserve:request_success", "Finished samples by finish reason.",
                           ["model_name", "finished_reason"], registry=reg)
         self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
-        self._engine = _EngineCollector(model_name)
+        self._engine = _EngineCollector(model_name, vllm_names)
         reg.register(self._engine)
         self._awaiting_first: dict[str, float] = {}  # request id -> arrival (monotonic); engine thread pops
         self._timings_seen = 0.0
@@ -136,10 +137,15 @@ class RequestMetrics:
 
 
 class _EngineCollector(Collector):
-    """Engine state at scrape time: scheduler stats, KV pages, compile count."""
+    """Engine state at scrape time: scheduler stats, KV pages, compile count. With `vllm_names` the
+    gauges a gateway's endpoint picker reads (the Gateway API Inference Extension's model-server
+    protocol) are repeated under vLLM's names: vllm:num_requests_waiting / _running,
+    vllm:kv_cache_usage_perc, vllm:cache_config_info (block_size, num_gpu_blocks) and
+    vllm:lora_requests_info (valued with the scrape time, as vLLM does)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, vllm_names: bool = False) -> None:
         self.model_name = model_name
+        self.vllm_names = vllm_names
         self.core: Any = None
 
     def collect(self) -> Iterable[Metric]:
@@ -160,11 +166,12 @@ class _EngineCollector(Collector):
             c.add_metric(labels, value)
             return c
 
+        usage = used / max(1, s.num_total_pages)
         return [
             gauge("num_requests_running", "Sequences (samples) in the running batch.", s.num_running),
             gauge("num_requests_waiting", "Sequences (samples) waiting for admission.", s.num_waiting),
             gauge("kv_cache_usage_perc", "Fraction (0..1) of KV pages held by sequences; evictable "
-                  "prefix-cache pages count as free.", used / max(1, s.num_total_pages)),
+                  "prefix-cache pages count as free.", usage),
             gauge("num_kv_pages_used", "KV pages held by sequences.", used),
             gauge("num_kv_pages_total", "KV pages in the pool.", s.num_total_pages),
             counter("num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions),
@@ -175,7 +182,34 @@ class _EngineCollector(Collector):
             self._cache_config(core),
             *self._spec_decode(core),
             *self._lora(core, s),
+            *(self._vllm(core, s, usage) if self.vllm_names else ()),
         ]
+
+    def _vllm(self, core: Any, s: Any, usage: float) -> list[Metric]:
+        labels = ["model_name"]
+        out = []
+        for name, doc, value in (("num_requests_waiting", "Requests waiting (jaxserve:num_requests_waiting).",
+                                  s.num_waiting),
+                                 ("num_requests_running", "Requests running (jaxserve:num_requests_running).",
+                                  s.num_running),
+                                 ("kv_cache_usage_perc", "KV cache usage, 0..1 (jaxserve:kv_cache_usage_perc).",
+                                  usage)):
+            g = GaugeMetricFamily(f"vllm:{name}", doc, labels=labels)
+            g.add_metric([self.model_name], value)
+            out.append(g)
+        cfg = core.runner.engine_cfg
+        info = GaugeMetricFamily("vllm:cache_config_info", "KV cache settings (labels); the value is 1.",
+                                 labels=["model_name", "block_size", "num_gpu_blocks", "cache_dtype"])
+        info.add_metric([self.model_name, str(cfg.page_size), str(cfg.num_kv_pages), cfg.kv_cache_dtype], 1.0)
+        out.append(info)
+        if core.lora_names:
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Adapters with running / waiting sequences "
+                                     "(labels); the value is the time of this report.",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            lora.add_metric([str(cfg.max_loras), ",".join(sorted(s.lora_running)), ",".join(sorted(s.lora_waiting))],
+                            time.time())
+            out.append(lora)
+        return out
 
     def _lora(self, core: Any, s: Any) -> list[Metric]:
         """Per adapter running / waiting sequences, vLLM's lora_requests_info, and slot loads."""

@@ -46,6 +46,7 @@ class ServerConfig:
     tool_call_parser: str | None = None        # server/tools/ registry name (forced calls default to hermes)
     enable_auto_tool_choice: bool = False
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    vllm_metric_names: bool = False            # /metrics also under vLLM's names (gateway endpoint pickers)
     on_ready: Callable[["ServerState"], None] | None = None          # called on the loader thread
     on_load_failed: Callable[[BaseException], None] | None = None   # called on the loader thread
 

@@ -42,7 +42,7 @@ def lora_server(tmp_path_factory):
     expected["late"] = greedy(write_adapter(fresh, late_dir, seed=6, r=4).merge_and_unload())
     cfg = EngineConfig(model_id=MODEL, enable_lora=True, lora_modules=(("ad", str(adapter_dir)),), max_loras=2,
                        max_lora_rank=8, **TEST_ENGINE)
-    server = start_server(load_engine_core(None, cfg), allow_runtime_lora_updating=True)
+    server = start_server(load_engine_core(None, cfg), allow_runtime_lora_updating=True, vllm_metric_names=True)
     server.late_dir = late_dir
     yield server, expected
     server.stop()
@@ -69,6 +69,15 @@ def test_the_model_field_selects_the_adapter(lora_server):
     assert m["jaxserve:lora_num_requests_running{lora_name=ad}"] == 0
     assert m["jaxserve:lora_num_requests_waiting{lora_name=ad}"] == 0
     assert m["jaxserve:lora_requests_info{max_lora=2,running_lora_adapters=,waiting_lora_adapters=}"] == 1
+    # --vllm-metric-names: what a gateway's endpoint picker scrapes, under vLLM's names
+    for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
+        assert m[f"vllm:{name}"] == m[f"jaxserve:{name}"], name
+    (info,) = [k for k in m if k.startswith("vllm:cache_config_info{")]
+    assert f"block_size={server.state.core.engine_cfg.page_size}" in info
+    assert f"num_gpu_blocks={int(m['jaxserve:num_kv_pages_total'])}" in info
+    (lora,) = [k for k in m if k.startswith("vllm:lora_requests_info{")]
+    assert lora == "vllm:lora_requests_info{max_lora=2,running_lora_adapters=,waiting_lora_adapters=}"
+    assert m[lora] > 1.7e9  # the report's time, as vLLM values it
 
 
 def _post(server, path, body):

@@ -237,6 +237,7 @@ def test_models_health_and_metrics_endpoints(live):
     assert metrics["jaxserve:time_to_first_token_seconds_count"] > 0
     assert metrics["jaxserve:request_queue_time_seconds_count"] > 0
     assert metrics["jaxserve:compilations_after_warmup_total"] == 0
+    assert not [k for k in metrics if k.startswith("vllm:")]  # vLLM's names only with --vllm-metric-names
     (info,) = [k for k in metrics if k.startswith("jaxserve:cache_config_info{")]
     labels = dict(kv.split("=") for kv in info[info.index("{") + 1:-1].split(","))
     assert labels["cache_dtype"] == "auto" and int(labels["num_pages"]) == metrics["jaxserve:num_kv_pages_total"]
