@@ -238,8 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--vllm-metric-names", action="store_true",
                    help="/metrics also exposes the queue, running and KV-cache gauges, cache_config_info and "
-                   "lora_requests_info under vLLM's names (vllm:...), which gateway endpoint pickers (Gateway API "
-                   "Inference Extension, GKE Inference Gateway, llm-d) read by default")
+                   "lora_requests_info under vLLM's names, which gateway endpoint pickers (Gateway API Inference "
+                   "Extension, GKE Inference Gateway, llm-d) read unconfigured")
     g = s.add_argument_group("tools and reasoning")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints; needs "

@@ -43,7 +43,7 @@ from jaxserve.draft_runner import DraftRunner, check_compatible
 from jaxserve.eagle_runner import EagleRunner
 from jaxserve.model.eagle3 import Eagle3Config
 from jaxserve.scheduler import StepPlan
-from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs, sampled_at
+from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs, rows_that_sampled
 
 logger = logging.getLogger("jaxserve.model_runner")
 
@@ -170,11 +170,7 @@ class ModelRunner:
         if self.draft is not None:
             out = self.draft.propose(chunks, [len(c.draft_token_ids) for c in chunks])
         else:
-            spans = sampled_at(prev_plan)
-            rows: list[int | None] = []
-            for c in chunks:  # the row that computed the position before the last token's
-                first, row, count = spans.get(c.seq_id, (0, 0, 0))
-                rows.append(row + c.start_pos - 1 - first if first <= c.start_pos - 1 < first + count else None)
+            rows = rows_that_sampled(prev_plan, chunks)
             found = [i for i, r in enumerate(rows) if r is not None]
             out = [[] for _ in chunks]
             if found:

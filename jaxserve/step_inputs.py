@@ -173,15 +173,19 @@ def needs_output_ids(params: SamplingParams) -> bool:
             or params.frequency_penalty != 0.0)
 
 
-def sampled_at(plan: StepPlan | None) -> dict[str, tuple[int, int, int]]:
-    """seq_id -> (position of its first sampling token row, its first sampler row, how many) in the
-    plan's sampler output: the row that computed position q samples the token at q + 1."""
+def rows_that_sampled(prev_plan: StepPlan | None, chunks: Sequence[ScheduledChunk]) -> list[int | None]:
+    """For each decode chunk (its last token at start_pos), the row of prev_plan's sampler output
+    that sampled that token (the row that computed start_pos - 1), or None when prev_plan did not."""
     spans, row = {}, 0
-    for c in plan.chunks if plan is not None else ():
-        if c.sample:
+    for c in prev_plan.chunks if prev_plan is not None else ():
+        if c.sample:  # (position of its first sampling token row, its first sampler row, how many)
             spans[c.seq_id] = (c.start_pos + len(c.token_ids) - c.num_sample_rows, row, c.num_sample_rows)
         row += c.num_sample_rows
-    return spans
+    out: list[int | None] = []
+    for c in chunks:
+        first, base, count = spans.get(c.seq_id, (0, 0, 0))
+        out.append(base + c.start_pos - 1 - first if first <= c.start_pos - 1 < first + count else None)
+    return out
 
 
 def _sample_rows(plan: StepPlan | None) -> dict[str, int]:
