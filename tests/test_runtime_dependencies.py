@@ -10,8 +10,8 @@ imports directly: transformers imports jinja2 only inside `apply_chat_template`,
   pyproject's `[project].dependencies`;
 - dynamic: the real server path runs in subprocesses where every installed distribution outside
   that closure cannot be found (as on a fresh install): the embedded model's tokenizer and chat
-  template, the app, a forward pass with int4-quantized weights (qwix), one of a mixture of experts
-  (tokamax), `jaxserve serve` answering
+  template, the app, a forward pass with int4-quantized weights (qwix), one of a mixture of experts,
+  tokamax's import (absl), `jaxserve serve` answering
   a chat request and a JSON-schema one (llguidance), and `jaxserve bench` against it.
   Its log must also be free of start-up noise (torch not found, libtpu missing).
 """
@@ -242,14 +242,18 @@ qcfg = dataclasses.replace(ModelConfig.from_hf(model_dir), quantization=online_s
 logits = forward_dense(init_random(qcfg), qcfg, jnp.asarray([[1, 2, 3]]), jnp.ones((1, 3), jnp.int32))
 assert logits.shape == (1, 3, qcfg.vocab_size) and bool(jnp.isfinite(logits).all())
 
-# A mixture of experts (tokamax, absl): a tiny Qwen3-MoE config, one forward, under a command line
-# that absl would reject if tokamax were left to parse it (as `jaxserve serve --model ...` is).
-saved_argv, sys.argv = sys.argv, [sys.argv[0], "--model", "moe"]
+# A mixture of experts: a tiny Qwen3-MoE config, one forward.
 mcfg = ModelConfig.from_hf({**json.loads((model_dir / "config.json").read_text()),
                             "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 1, "num_experts": 4,
                             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True})
 logits = forward_dense(init_random(mcfg), mcfg, jnp.asarray([[1, 2, 3]]), jnp.ones((1, 3), jnp.int32))
 assert logits.shape == (1, 3, mcfg.vocab_size) and bool(jnp.isfinite(logits).all())
+
+# tokamax (the TPU/GPU expert kernels) imports, and leaves this process's command line alone
+# (its options are absl flags, which would reject `--model`).
+saved_argv, sys.argv = sys.argv, [sys.argv[0], "--model", "moe"]
+from jaxserve.model.moe import _tokamax
+assert _tokamax().config.cross_compile.value is False
 sys.argv = saved_argv
 
 report = Path(sys.argv[2])

@@ -4,14 +4,16 @@ Routing follows the Hugging Face models: router logits in the model dtype, softm
 all experts, the top-k, renormalised to sum to one where the config says so. Each token's k
 (token, expert) pairs are sorted by expert so that every expert's tokens are contiguous, and the
 three expert projections run as grouped matmuls over those groups (`grouped_matmul`: tokamax's
-ragged_dot, whose XLA implementation is `jax.lax.ragged_dot`; Mosaic/Triton kernels on TPU/GPU).
+Mosaic / Triton ragged_dot kernels on TPU / GPU; on a CPU `jax.lax.ragged_dot`, or at decode sizes a
+loop over the experts that have tokens).
 The outputs return to (token, slot) order and are summed with the routing weights.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import contextvars
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -33,20 +35,65 @@ def _tokamax():
     return tokamax
 
 
-def compile_scope(mesh: Any) -> contextlib.AbstractContextManager:
-    """Where programs are lowered for GPUs this process does not have (compile-only targets):
-    tokamax picks its kernels by the default device, so tell it to cross-compile; else nothing."""
-    if mesh.devices.flat[0].platform == "gpu" and jax.default_backend() != "gpu":
-        return _tokamax().config.cross_compile(True)
-    return contextlib.nullcontext()
+# The platform programs are being lowered for, when it is not this process's default backend
+# (compile-only TPU/GPU targets: compile_scope).
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("moe_target_platform", default=None)
+
+
+@contextlib.contextmanager
+def compile_scope(mesh: Any) -> Iterator[None]:
+    """Lowering for `mesh`'s devices: the grouped matmuls take that platform's kernels, and for
+    GPUs this process does not have tokamax is told to cross-compile (it picks kernels by the
+    default device, the CPU here)."""
+    platform = mesh.devices.flat[0].platform
+    token = _TARGET_PLATFORM.set(platform)
+    try:
+        if platform == "gpu" and jax.default_backend() != "gpu":
+            with _tokamax().config.cross_compile(True):
+                yield
+        else:
+            yield
+    finally:
+        _TARGET_PLATFORM.reset(token)
+
+
+# Up to this many rows (decode-sized steps), the CPU multiplies only the groups that have rows.
+SKIP_EMPTY_MAX_ROWS = 64
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """lhs [M, K] rows grouped contiguously by group_sizes [G]; rhs [G, K, N] -> [M, N]. 16-bit
+    """lhs [M, K] rows grouped contiguously by group_sizes [G]; rhs [G, K, N] -> [M, N].
+
+    On TPU and GPU: tokamax's ragged_dot kernels (Mosaic, Triton), which skip empty groups; 16-bit
     operands multiply at the default precision whatever jax_default_matmul_precision says (their
-    products are exact in the float32 accumulator; Mosaic rejects a float32 contract for them)."""
+    products are exact in the float32 accumulator; Mosaic rejects a float32 contract for them).
+    On a CPU tokamax would run XLA's `jax.lax.ragged_dot`, which reads every group's weights:
+    at decode sizes (2 of 8 experts used at batch 1) that is several times the work, so up to
+    SKIP_EMPTY_MAX_ROWS rows a loop multiplies only the groups with rows; larger M (prefill) takes
+    `jax.lax.ragged_dot` directly (tokamax is not imported in a CPU process)."""
+    platform = _TARGET_PLATFORM.get() or jax.default_backend()
+    if platform == "cpu":
+        if lhs.shape[0] <= SKIP_EMPTY_MAX_ROWS:
+            return _nonempty_groups(lhs, rhs, group_sizes)
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
     precision = jax.lax.Precision.DEFAULT if lhs.dtype.itemsize == 2 else None
     return _tokamax().ragged_dot(lhs, rhs, group_sizes, precision=precision, preferred_element_type=lhs.dtype)
+
+
+def _nonempty_groups(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """grouped_matmul by a loop over the groups that multiplies (and reads the weights of) only
+    those with rows: each product covers all M rows, masked to the group's own."""
+    ends = jnp.cumsum(group_sizes)
+    row = jnp.arange(lhs.shape[0])
+
+    def group(g: jax.Array, out: jax.Array) -> jax.Array:
+        def multiply(out: jax.Array) -> jax.Array:
+            mine = (row >= ends[g] - group_sizes[g]) & (row < ends[g])
+            product = jnp.dot(lhs, rhs[g], preferred_element_type=jnp.float32).astype(out.dtype)
+            return out + jnp.where(mine[:, None], product, jnp.zeros((), out.dtype))
+        return jax.lax.cond(group_sizes[g] > 0, multiply, lambda out: out, out)
+
+    return jax.lax.fori_loop(0, rhs.shape[0], group, jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype))
 
 
 def route(layer: LayerWeights, x: jax.Array, moe: MoEConfig) -> tuple[jax.Array, jax.Array]:

@@ -59,14 +59,30 @@ def test_configs_name_the_sparse_layers():
         abstract(quantized)
 
 
-def test_grouped_matmul_is_a_matmul_per_contiguous_group():
+@pytest.mark.parametrize("rows", [10, 100])  # the CPU's loop over non-empty groups; tokamax's ragged_dot
+def test_grouped_matmul_is_a_matmul_per_contiguous_group(rows):
+    from jaxserve.model.moe import SKIP_EMPTY_MAX_ROWS
+
+    assert (rows <= SKIP_EMPTY_MAX_ROWS) == (rows == 10)
     rng = np.random.default_rng(0)
-    lhs = rng.standard_normal((10, 8), dtype=np.float32)
+    lhs = rng.standard_normal((rows, 8), dtype=np.float32)
     rhs = rng.standard_normal((3, 8, 5), dtype=np.float32)
-    sizes = np.array([4, 0, 6], np.int32)  # an expert no token chose
+    sizes = np.array([4, 0, rows - 4], np.int32)  # an expert no token chose
     want = np.concatenate([lhs[:4] @ rhs[0], lhs[4:] @ rhs[2]])
     got = np.asarray(grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tokamax_leaves_the_command_line_alone(monkeypatch):
+    """tokamax reads its options as absl flags and parses sys.argv on first read unless absl's flags
+    count as parsed: `jaxserve serve --model ...` would be rejected (UnrecognizedFlagError)."""
+    from absl import flags
+
+    from jaxserve.model import moe
+
+    monkeypatch.setattr("sys.argv", ["jaxserve", "serve", "--model", "some/dir"])
+    flags.FLAGS.unparse_flags()
+    assert moe._tokamax().config.cross_compile.value is False
 
 
 @pytest.fixture(scope="module")
