@@ -90,13 +90,14 @@ def model_context(cfg: ModelConfig) -> int:
     return cfg.max_position_embeddings
 
 
+def _sparse(cfg: ModelConfig, layer: int) -> bool:
+    return cfg.moe is not None and cfg.moe.layers[layer]
+
+
 def active_mlp_width(cfg: ModelConfig, layer: int) -> int:
     """The MLP width one token passes through in a layer: the dense intermediate size, or its top-k
-    experts' widths (plus the router's outputs) in a sparse MoE layer."""
-    moe = cfg.moe
-    if moe is not None and moe.layers[layer]:
-        return moe.top_k * moe.intermediate_size + moe.num_experts // 3
-    return cfg.intermediate_size
+    experts' widths in a sparse MoE layer."""
+    return cfg.moe.top_k * cfg.moe.intermediate_size if _sparse(cfg, layer) else cfg.intermediate_size
 
 
 def flops_per_token(cfg: ModelConfig) -> int:
@@ -104,7 +105,8 @@ def flops_per_token(cfg: ModelConfig) -> int:
     a mixture of experts counts the experts a token is routed to)."""
     d, hd = cfg.hidden_size, cfg.head_dim
     attn = d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    return 2 * sum(attn + 3 * d * active_mlp_width(cfg, i) for i in range(cfg.num_layers))
+    router = lambda i: d * cfg.moe.num_experts if _sparse(cfg, i) else 0  # noqa: E731
+    return 2 * sum(attn + 3 * d * active_mlp_width(cfg, i) + router(i) for i in range(cfg.num_layers))
 
 
 def flops_per_sampled_row(cfg: ModelConfig) -> int:

@@ -43,7 +43,7 @@ from jaxserve.draft_runner import DraftRunner, check_compatible
 from jaxserve.eagle_runner import EagleRunner
 from jaxserve.model.eagle3 import Eagle3Config
 from jaxserve.scheduler import StepPlan
-from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs, rows_that_sampled
+from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs, row_that_sampled, sampler_spans
 
 logger = logging.getLogger("jaxserve.model_runner")
 
@@ -170,7 +170,8 @@ class ModelRunner:
         if self.draft is not None:
             out = self.draft.propose(chunks, [len(c.draft_token_ids) for c in chunks])
         else:
-            rows = rows_that_sampled(prev_plan, chunks)
+            spans = sampler_spans(prev_plan)
+            rows = [row_that_sampled(spans, c) for c in chunks]
             found = [i for i, r in enumerate(rows) if r is not None]
             out = [[] for _ in chunks]
             if found:

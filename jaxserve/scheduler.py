@@ -240,12 +240,16 @@ class Scheduler:
         with self._lock:
             return bool(self._incoming or self._removals or self._running or self._waiting)
 
-    def stats(self) -> SchedulerStats:
+    def _num_waiting(self) -> int:
+        """Sequences waiting for admission, just added ones included."""
         with self._lock:
             incoming = sum(len(u) for u in self._incoming)
+        return incoming + sum(len(u) for u in self._waiting)
+
+    def stats(self) -> SchedulerStats:
         lora_running, lora_waiting = self._lora_counts() if self.lora_slots is not None else ({}, {})
         return SchedulerStats(
-            num_running=len(self._running), num_waiting=incoming + sum(len(u) for u in self._waiting),
+            num_running=len(self._running), num_waiting=self._num_waiting(),
             num_free_pages=self.allocator.num_free_pages, num_total_pages=self.allocator.num_pages,
             prefix_cache_queries=self.allocator.stats.queries, prefix_cache_hits=self.allocator.stats.hits,
             num_preemptions=self._num_preemptions, lora_running=dict(lora_running), lora_waiting=dict(lora_waiting),
@@ -372,10 +376,7 @@ class Scheduler:
         """Whether the next step's decodes may carry drafts (spec/drafting.py)."""
         if self.drafting is None:
             return False
-        with self._lock:
-            incoming = sum(len(u) for u in self._incoming)
-        enqueued = len(self._running) + sum(len(u) for u in self._waiting) + incoming
-        return self.drafting.active(self._running, enqueued)
+        return self.drafting.active(self._running, len(self._running) + self._num_waiting())
 
     @property
     def spec_stats(self) -> SpecDecodeStats | None:

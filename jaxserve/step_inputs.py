@@ -92,7 +92,7 @@ class StepInputBuilder:
         prev_row = np.full(t_bucket, -1, np.int32)
         lora_slot = np.full(t_bucket, -1, np.int32) if self.cfg.enable_lora else None
         shift = EagleShift(np.zeros(t_bucket, np.int32), np.full(t_bucket, -1, np.int32)) if self.eagle else None
-        prev_rows: dict[str, int] | None = None
+        prev_spans: dict[str, tuple[int, int, int]] | None = None
         rows: list[SamplingRow] = []
         t = 0
         for i, c in enumerate(chunks):
@@ -103,12 +103,14 @@ class StepInputBuilder:
             if lora_slot is not None:
                 lora_slot[t:t + n] = c.lora_slot
             if c.token_ids[-1] == PENDING_TOKEN:  # only ever a 1-token decode
-                if prev_rows is None:
-                    prev_rows = _sample_rows(prev_plan)
-                if c.seq_id not in prev_rows:
+                if prev_spans is None:
+                    prev_spans = sampler_spans(prev_plan)
+                # a chunk with drafts emits an accepted run: the engine completes its step before planning on it
+                row = row_that_sampled(prev_spans, c) if prev_spans.get(c.seq_id, (0, 0, 0))[2] == 1 else None
+                if row is None:
                     raise ValueError(f"{c.seq_id!r} decodes a pending token that the previous step did not sample")
                 token_ids[t + n - 1] = 0
-                prev_row[t + n - 1] = prev_rows[c.seq_id]
+                prev_row[t + n - 1] = row
             positions[t:t + n] = pos
             token_seq[t:t + n] = i
             slots[t:t + n] = table[pos // ps] * ps + pos % ps
@@ -173,30 +175,22 @@ def needs_output_ids(params: SamplingParams) -> bool:
             or params.frequency_penalty != 0.0)
 
 
-def rows_that_sampled(prev_plan: StepPlan | None, chunks: Sequence[ScheduledChunk]) -> list[int | None]:
-    """For each decode chunk (its last token at start_pos), the row of prev_plan's sampler output
-    that sampled that token (the row that computed start_pos - 1), or None when prev_plan did not."""
+def sampler_spans(plan: StepPlan | None) -> dict[str, tuple[int, int, int]]:
+    """seq_id -> (position of its first sampling token row, its first row in the plan's sampler
+    output, how many rows) for each chunk of `plan` that samples."""
     spans, row = {}, 0
-    for c in prev_plan.chunks if prev_plan is not None else ():
-        if c.sample:  # (position of its first sampling token row, its first sampler row, how many)
+    for c in plan.chunks if plan is not None else ():
+        if c.sample:
             spans[c.seq_id] = (c.start_pos + len(c.token_ids) - c.num_sample_rows, row, c.num_sample_rows)
         row += c.num_sample_rows
-    out: list[int | None] = []
-    for c in chunks:
-        first, base, count = spans.get(c.seq_id, (0, 0, 0))
-        out.append(base + c.start_pos - 1 - first if first <= c.start_pos - 1 < first + count else None)
-    return out
+    return spans
 
 
-def _sample_rows(plan: StepPlan | None) -> dict[str, int]:
-    """seq_id -> row of the plan's sampler output (chunks without drafts: a chunk with drafts emits
-    an accepted run, so the engine completes its step before planning on it)."""
-    rows, row = {}, 0
-    for c in plan.chunks if plan is not None else ():
-        if c.sample and not c.draft_token_ids:
-            rows[c.seq_id] = row
-        row += c.num_sample_rows
-    return rows
+def row_that_sampled(spans: dict[str, tuple[int, int, int]], c: ScheduledChunk) -> int | None:
+    """The sampler row (of the plan `spans` describes) that sampled chunk c's first token, at
+    start_pos: the row that computed start_pos - 1; None when that plan did not."""
+    first, base, count = spans.get(c.seq_id, (0, 0, 0))
+    return base + c.start_pos - 1 - first if first <= c.start_pos - 1 < first + count else None
 
 
 def _outputs_before_sample(c: ScheduledChunk) -> Sequence[int]:
