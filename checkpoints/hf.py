@@ -24,6 +24,7 @@ from checkpoints import quantized
 from jaxserve.config import ModelConfig
 from jaxserve.model import weights as W
 from jaxserve.quant import host as quant_host
+from jaxserve.sharding import put
 
 # Tensors transformers may store that carry no weights we need.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -256,7 +257,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
             if all(p in parts for p in needed):
                 pad = W.padded_vocab(cfg) - cfg.vocab_size if path == ("lm_head",) else 0
                 host = quantized.assemble(pending.pop(prefix), q, spec, prefix, pad)
-                out = _set(out, path, jax.device_put(host, _get(sharding_tree, path)))
+                out = _set(out, path, put(host, _get(sharding_tree, path)))
                 seen.add(modules[prefix])
             continue
         if name not in table:
@@ -291,7 +292,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
             host = spec.replace(qvalue=values, scale=scale.astype(jnp.dtype(dtype)))
         else:
             host = host.astype(jnp.dtype(dtype))
-        out = _set(out, path, jax.device_put(host, _get(sharding_tree, path)))
+        out = _set(out, path, put(host, _get(sharding_tree, path)))
     for prefix, parts in pending.items():
         raise ValueError(f"checkpoint in {model_dir} has only {sorted(parts)} of {prefix!r}; a {q.method} "
                          f"Linear needs {', '.join(needed)}")

@@ -240,6 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/metrics also exposes the queue, running and KV-cache gauges, cache_config_info and "
                    "lora_requests_info under vLLM's names, which gateway endpoint pickers (Gateway API Inference "
                    "Extension, GKE Inference Gateway, llm-d) read unconfigured")
+    g = s.add_argument_group("multi-host (one model over the accelerators of several hosts; docs/DEPLOY.md)")
+    g.add_argument("--num-hosts", type=int, default=1, help="processes that serve one model together, one per "
+                   "host; every one runs this command with the same flags and its own --host-rank")
+    g.add_argument("--host-rank", type=int, default=None, help="this process's rank; 0 serves HTTP, the others "
+                   "follow its steps (default: auto-detected by JAX, e.g. on Cloud TPU VMs)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="rank 0's address for JAX's "
+                   "distributed runtime (default: auto-detected); the step channel uses PORT+1")
+    g.add_argument("--multihost-stall-timeout", type=_positive_float, default=10.0, help="seconds without a "
+                   "heartbeat after which a rank counts as dead and every other rank exits non-zero")
     g = s.add_argument_group("tools and reasoning")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints; needs "
@@ -340,8 +349,18 @@ def _dispatch(args: argparse.Namespace) -> int:
                                   enable_auto_tool_choice=args.enable_auto_tool_choice,
                                   allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                                   vllm_metric_names=args.vllm_metric_names)
-        return serve(args.model, _engine_config(args, names[0]), server_cfg, args.host, args.port,
-                     args.shutdown_timeout, args.log_level, args.access_log, not args.no_progress)
+        engine_cfg = _engine_config(args, names[0])
+        multi = None
+        if args.num_hosts != 1:
+            from jaxserve import multihost
+
+            multi = multihost.MultiHost(args.num_hosts, args.host_rank, args.coordinator,
+                                        stall_timeout=args.multihost_stall_timeout)
+            multihost.check_supported(engine_cfg)
+            if multihost.initialize(multi) > 0:
+                return multihost.run_follower(args.model, engine_cfg, multi)
+        return serve(args.model, engine_cfg, server_cfg, args.host, args.port, args.shutdown_timeout,
+                     args.log_level, args.access_log, not args.no_progress, multi)
     if args.command == "generate":
         from jaxserve.sampling_params import SamplingParams
         from jaxserve.server.commands import generate

@@ -89,13 +89,17 @@ def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
 
 
 def load_with_progress(model: str | Path | None, engine_cfg: EngineConfig, show_progress: bool = True,
-                       tokenizer: Tokenizer | None = None) -> tuple[EngineCore, Tokenizer, Path]:
+                       tokenizer: Tokenizer | None = None,
+                       before_warmup: Callable[[EngineCore], None] | None = None) -> tuple[EngineCore, Tokenizer, Path]:
     """load_engine_core with progress bars on stderr: one while the model loads, one tick per
-    compiled program while every bucket warms up (minutes on large models)."""
+    compiled program while every bucket warms up (minutes on large models). before_warmup: called
+    with the built engine before it compiles anything."""
     name = str(model) if model is not None else DISPLAY_NAME
     with tqdm(total=1, desc=f"loading {name}", file=sys.stderr, disable=not show_progress) as bar:
         core, tokenizer, model_dir = load_engine_core(model, engine_cfg, warmup=False, tokenizer=tokenizer)
         bar.update(1)
+    if before_warmup is not None:
+        before_warmup(core)
     compile_bar: tqdm | None = None
 
     def progress(done: int, total: int, what: str) -> None:

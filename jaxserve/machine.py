@@ -7,16 +7,34 @@ now (`MemAvailable`, read after the weights are loaded, so they are already acco
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
+import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.capacity import MachineInfo
 
 
 def machine_info(mesh: Mesh) -> MachineInfo:
-    device = mesh.devices.flat[0]
+    info = _local_machine_info(mesh)
+    if jax.process_count() == 1:
+        return info
+    # Multi-host: every process must size the same KV pool, so all take rank 0's figures (free
+    # memory differs between processes), in MiB.
+    from jax.experimental import multihost_utils
+
+    mib = np.asarray([info.memory_per_device >> 20, info.memory_in_use >> 20, info.cpu_cores], np.int32)
+    memory, in_use, cores = (int(v) for v in multihost_utils.broadcast_one_to_all(mib))
+    return dataclasses.replace(info, memory_per_device=memory << 20, memory_in_use=in_use << 20, cpu_cores=cores)
+
+
+def _local_machine_info(mesh: Mesh) -> MachineInfo:
+    # this process's first device (multi-host: the others' devices report nothing here)
+    here = jax.process_index()
+    device = next((d for d in mesh.devices.flat if d.process_index == here), mesh.devices.flat[0])
     cores = cpu_cores()
     platform = "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
     if platform == "cpu":

@@ -74,6 +74,12 @@ class CompileCounter:
         return cls._count
 
 
+def _local_replica(x: jax.Array) -> np.ndarray:
+    if not x.sharding.is_fully_replicated:
+        raise RuntimeError(f"a sampler output spans processes without a replica here: {x.sharding}")
+    return np.asarray(x.addressable_data(0))
+
+
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh,
                  dtype: Any = jnp.float32, draft: tuple[Any, Any] | None = None) -> None:
@@ -128,16 +134,21 @@ class ModelRunner:
         self.lora = self._lora_slots() if engine_cfg.enable_lora else None
         self.warmed_up = False
         self.compilations_after_warmup = 0
+        # Multi-host leader: every step's device calls are sent to the other processes first
+        # (multihost.Followers), which dispatch the same programs over their own shards.
+        self.followers: Any = None
 
     # -- steps ---------------------------------------------------------------------------------
 
     def _put(self, tree: Any) -> Any:
-        return jax.device_put(tree, self._replicated)
+        return sharding.put(tree, self._replicated)
 
     def forward(self, inputs: StepInputs) -> jax.Array:
         """Dispatches the step's page copies and forward; returns the [S, V] logits (on the device,
         no host sync). A step is `forward` then `sample`, then `fetch` for numpy: split so that a
         step with grammar-constrained rows can run its forward while the host computes their masks."""
+        if self.followers is not None:
+            self.followers.send(("forward", inputs))
         before = CompileCounter.count()
         self._copy_pages(inputs.copies)
         logits, self.kv = self._forward(inputs.arrays)
@@ -186,10 +197,13 @@ class ModelRunner:
         """Dispatches the sampler over `forward`'s logits. bitmask: [S, W] int32 allowed-token bits
         (structured output), or None when no row is constrained: a resident all-ones mask is
         passed then, so such steps transfer nothing for it."""
+        if self.followers is not None:
+            self.followers.send(("sample", bitmask))
         before = CompileCounter.count()
         out, self._prev_ids = self._sample(logits, inputs.sampling, bitmask)
         for leaf in out:
-            leaf.copy_to_host_async()
+            if leaf.is_fully_addressable:
+                leaf.copy_to_host_async()
         if self.eagle is not None:
             self.eagle.fill(inputs.arrays, inputs.eagle_shift, self._aux, self._prev_ids)
         self._count_compilations(before, inputs)
@@ -254,7 +268,8 @@ class ModelRunner:
 
     @staticmethod
     def fetch(out: SamplerOutput) -> SamplerOutput:
-        return SamplerOutput(*jax.device_get(tuple(out)))
+        """The sampled ids etc. as numpy (across processes, multi-host, from this process's replica)."""
+        return SamplerOutput(*(jax.device_get(x) if x.is_fully_addressable else _local_replica(x) for x in out))
 
     def _pad_copies(self, copies: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) padded to max_num_seqs entries; padding targets an out-of-bounds page."""

@@ -12,9 +12,10 @@ a head axis in the model a typed resharding decision, with no benefit for infere
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 DATA_AXIS = "data"
@@ -102,3 +103,20 @@ def named(mesh: Mesh, *logical_names: str | None, rules: Mapping[str, str | None
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def put(tree: Any, shardings: Any) -> Any:
+    """jax.device_put of host arrays that every process holds alike (weights read from the same
+    checkpoint, a step's inputs). Across processes (multi-host) each places only its own devices'
+    slices: device_put would first all-gather every value to check that the processes agree, a
+    collective per call. `shardings`: one sharding for every leaf, or a matching tree of them."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+
+    def place(x: Any, s: jax.sharding.Sharding) -> jax.Array:
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+
+    return jax.tree.map(place, tree, shardings)

@@ -1,5 +1,6 @@
 """Test-wide settings: 8 fake CPU devices for sharding tests, no downloads, float32 matmuls."""
 import os
+import sys
 
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -15,3 +16,11 @@ quiet_libtpu()  # compile-only TPU targets (libtpu is in the test extra): no met
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+
+def pytest_runtest_teardown(item):
+    """tokamax stays out of the shared workers (tests/own_process.py says why)."""
+    if "tokamax" in sys.modules and os.environ.get("JAXSERVE_TEST_OWN_PROCESS") != "1":
+        raise AssertionError(f"{item.nodeid} imported tokamax into a shared test worker: decorate it with "
+                             "own_process.in_own_process")

@@ -13,6 +13,7 @@ from jaxserve.buckets import serving_programs
 from jaxserve.programs import lower_program
 from jaxserve.sharding import make_mesh
 from jaxserve.targets import parse_target
+from own_process import in_own_process
 
 FAMILIES = {
     # Qwen3: q/k norms, GQA 2, bf16
@@ -157,6 +158,7 @@ def _kernel_calls(cfg, devices, rules: str, tp: int, marker: str) -> int:
 
 
 @pytest.mark.parametrize("rules", ["tp", "tp-ep"])
+@in_own_process
 def test_moe_forward_runs_its_grouped_matmuls_as_mosaic_kernels_on_tpu(rules):
     """Each sparse layer's three expert projections are tokamax's Mosaic ragged-dot kernel on a
     v6e-4 (TP=4: each expert's width split, or tp-ep: whole experts per device): at least three
@@ -173,6 +175,7 @@ def test_moe_forward_runs_its_grouped_matmuls_as_mosaic_kernels_on_tpu(rules):
 
 
 @pytest.mark.gpu_compile
+@in_own_process
 def test_moe_forward_runs_its_grouped_matmuls_as_triton_kernels_on_two_h100s():
     import dataclasses
 

@@ -33,14 +33,22 @@ logger = logging.getLogger("jaxserve.server")
 FINAL_GRACE_SECONDS = 1.0
 
 
-def model_loader(model: str | None, engine_cfg: EngineConfig, show_progress: bool = True) -> Loader:
-    """A Loader: the model loads and every bucket compiles, with progress bars (llm.load_with_progress)."""
+def model_loader(model: str | None, engine_cfg: EngineConfig, show_progress: bool = True,
+                 followers: Any = None) -> Loader:
+    """A Loader: the model loads and every bucket compiles, with progress bars (llm.load_with_progress).
+    followers: a multi-host leader's multihost.Followers; they build the engine with the leader's
+    resolved sizes and warm up alongside it, then follow its steps."""
 
     def load() -> tuple[Any, Any, Path]:
         quiet_startup()  # before transformers is imported and jax picks its backend
         from jaxserve.llm import load_with_progress
 
-        return load_with_progress(model, engine_cfg, show_progress)
+        if followers is None:
+            return load_with_progress(model, engine_cfg, show_progress)
+        loaded = load_with_progress(model, engine_cfg, show_progress,
+                                    before_warmup=lambda core: followers.send(("config", core.engine_cfg)))
+        loaded[0].runner.followers = followers
+        return loaded
 
     return load
 
@@ -105,8 +113,10 @@ class GracefulServer(uvicorn.Server):
 
 def serve(model: str | None, engine_cfg: EngineConfig, server_cfg: ServerConfig, host: str = "127.0.0.1",
           port: int = 8000, shutdown_timeout: float = 30.0, log_level: str = "info", access_log: bool = True,
-          show_progress: bool = True) -> int:
-    """Serves until SIGTERM/SIGINT; returns the process exit code (1 if the model failed to load)."""
+          show_progress: bool = True, multi: Any = None) -> int:
+    """Serves until SIGTERM/SIGINT; returns the process exit code (1 if the model failed to load).
+    multi: a multihost.MultiHost when this is rank 0 of several processes (it waits for the others
+    to connect first, and tells them to stop when it stops)."""
     holder: dict[str, GracefulServer] = {}
     failed: list[BaseException] = []
 
@@ -121,11 +131,20 @@ def serve(model: str | None, engine_cfg: EngineConfig, server_cfg: ServerConfig,
             holder["server"].should_exit = True
 
     quiet_startup()
+    followers = None
+    if multi is not None:
+        from jaxserve.multihost import Followers
+
+        followers = Followers(multi)
     cfg = dataclasses.replace(server_cfg, on_ready=on_ready, on_load_failed=on_failed)
-    app = build_app(model_loader(model, engine_cfg, show_progress), cfg)
+    app = build_app(model_loader(model, engine_cfg, show_progress, followers), cfg)
     uv_cfg = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=FINAL_GRACE_SECONDS, access_log=access_log)
     server = GracefulServer(uv_cfg, app.state.server, shutdown_timeout, model or DISPLAY_NAME)
     holder["server"] = server
-    server.run()
+    try:
+        server.run()
+    finally:
+        if followers is not None:
+            followers.close()
     return 1 if failed else 0  # the loader thread has logged why

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from checkpoints import load_model
 from engine_utils import greedy, make_core, run_all
 from hf_models import MOE_VARIANTS, make_hf_model
+from own_process import in_own_process
 from jaxserve.layouts import RULE_SETS
 from jaxserve.model.dense import forward_dense
 from jaxserve.model.moe import grouped_matmul, route
@@ -73,6 +74,7 @@ def test_grouped_matmul_is_a_matmul_per_contiguous_group(rows):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@in_own_process
 def test_tokamax_leaves_the_command_line_alone(monkeypatch):
     """tokamax reads its options as absl flags and parses sys.argv on first read unless absl's flags
     count as parsed: `jaxserve serve --model ...` would be rejected (UnrecognizedFlagError)."""

@@ -1,0 +1,28 @@
+"""A decorator for tests that must not share an interpreter with the rest of the suite."""
+
+import functools
+import os
+import subprocess
+import sys
+
+
+def in_own_process(test):
+    """Runs `test` in a fresh interpreter (a pytest of its own node id) and fails with its output.
+
+    For tests that import tokamax: its import loads jaxlib's GPU Mosaic and Triton extensions into
+    the process, after which later tests in the same xdist worker have died of segmentation faults
+    (on CI, mid-suite) — and pytest-xdist under `--dist loadfile` can hang after replacing a crashed
+    worker. A process of its own keeps those libraries out of the workers."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        if os.environ.get("JAXSERVE_TEST_OWN_PROCESS") == "1":
+            return test(*args, **kwargs)
+        node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]  # "path::name[params] (call)"
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", node],
+                              cwd=root, env={**os.environ, "JAXSERVE_TEST_OWN_PROCESS": "1"},
+                              capture_output=True, text=True, timeout=900)
+        output = f"{node} in its own process:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+        assert done.returncode == 0 and "1 passed" in done.stdout, output
+
+    return run

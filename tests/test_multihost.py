@@ -1,0 +1,183 @@
+"""Multi-host serving on one machine: two `jaxserve serve` processes of 4 CPU devices each (gloo
+collectives) run one TP=8 model; rank 0 serves HTTP. Its outputs equal one process with 8 devices,
+and a rank that dies or stalls makes the others exit non-zero within 30 s, naming the rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from jaxserve.multihost import MultiHost
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = ["--tensor-parallel-size", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+         "--max-model-len", "128", "--num-kv-pages", "48"]
+PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3, 4,", "Once upon a time, in a land far away"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """Two serve processes; rank 0 answers HTTP on `port`."""
+
+    def __init__(self, tmp: Path, stall_timeout: float = 10.0) -> None:
+        coordinator = f"127.0.0.1:{_free_port()}"
+        self.port = _free_port()
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+               "HF_HUB_OFFLINE": "1"}
+        self.logs = [tmp / f"rank{r}.log" for r in (0, 1)]
+        self.procs = []
+        for rank in (1, 0):
+            cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--num-hosts", "2", "--host-rank", str(rank),
+                   "--coordinator", coordinator, "--multihost-stall-timeout", str(stall_timeout), "--no-progress",
+                   "--port", str(self.port), *SIZES]
+            with open(self.logs[rank], "w") as log:
+                self.procs.insert(0, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def log(self, rank: int) -> str:
+        return "\n".join(l for l in self.logs[rank].read_text().splitlines() if not l.startswith("[Gloo]"))
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            for rank, p in enumerate(self.procs):
+                assert p.poll() is None, f"rank {rank} exited with {p.returncode}:\n{self.log(rank)[-4000:]}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"not ready in {timeout}s:\n{self.log(0)[-3000:]}"
+            time.sleep(0.5)
+
+    def exit_within(self, rank: int, seconds: float) -> tuple[int, float]:
+        """(exit code, seconds taken) of `rank`, which must exit within `seconds`."""
+        t0 = time.monotonic()
+        try:
+            code = self.procs[rank].wait(seconds)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank {rank} still runs {seconds}s after its peer went:\n{self.log(rank)[-3000:]}")
+        return code, time.monotonic() - t0
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def _completions(url: str) -> list[str]:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        # greedy, and a seeded sample (the sampler's keys come from the request, not the process)
+        params = dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.9, seed=1234)
+        r = client.completions.create(model="jaxserve-tiny", prompt=prompt, max_tokens=16, **params)
+        out.append(r.choices[0].text)
+    return out
+
+
+def _one_process_completions() -> list[str]:
+    """The same requests on one process with the suite's 8 CPU devices (TP=8)."""
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    llm = LLM(None, show_progress=False, mesh_shape=(1, 8), max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=128, num_kv_pages=48)
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        params = (SamplingParams(temperature=0.0, max_tokens=16) if i % 2 == 0
+                  else SamplingParams(temperature=0.9, seed=1234, max_tokens=16))
+        out.append(llm.generate([prompt], params)[0].outputs[0].text)
+    return out
+
+
+def test_two_processes_serve_one_tp8_model_like_one_process_and_a_dead_follower_stops_the_leader(tmp_path):
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.wait_ready()
+        assert "4 local of 8 devices" in cluster.log(1)
+        served = _completions(cluster.url)
+        assert served == _one_process_completions()
+        assert all(served), served
+        cluster.procs[1].send_signal(signal.SIGKILL)
+        code, seconds = cluster.exit_within(0, 30)
+        assert code != 0
+        assert "rank 1 closed its connection" in cluster.log(0)
+    finally:
+        cluster.close()
+
+
+def test_a_dead_leader_stops_the_follower(tmp_path):
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.wait_ready()
+        cluster.procs[0].send_signal(signal.SIGKILL)
+        code, _ = cluster.exit_within(1, 30)
+        assert code != 0
+        assert "rank 0 (the leader) closed its connection" in cluster.log(1)
+    finally:
+        cluster.close()
+
+
+def test_a_stalled_follower_stops_the_leader(tmp_path):
+    """SIGSTOP: the follower's connection stays open but says nothing."""
+    cluster = Cluster(tmp_path, stall_timeout=5.0)
+    try:
+        cluster.wait_ready()
+        cluster.procs[1].send_signal(signal.SIGSTOP)
+        code, seconds = cluster.exit_within(0, 30)
+        assert code != 0 and seconds >= 4.0
+        assert "rank 1 sent nothing (not even a heartbeat) for 5s" in cluster.log(0)
+    finally:
+        cluster.procs[1].send_signal(signal.SIGCONT)
+        cluster.close()
+
+
+def test_a_leader_stopped_by_sigterm_stops_its_followers_cleanly(tmp_path):
+    """SIGTERM on rank 0 drains, then tells the followers to stop: every rank exits 0."""
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.wait_ready()
+        cluster.procs[0].send_signal(signal.SIGTERM)
+        assert cluster.exit_within(0, 30)[0] == 0
+        assert cluster.exit_within(1, 30)[0] == 0
+        assert "the leader stopped after" in cluster.log(1)
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_hosts=1), "--num-hosts must be >= 2"),
+    (dict(num_hosts=2, rank=2), "--host-rank must be in [0, 2)"),
+    (dict(num_hosts=2, rank=0, coordinator="nohost"), "--coordinator must be HOST:PORT"),
+])
+def test_bad_multihost_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        MultiHost(**kwargs)
+
+
+def test_what_multihost_does_not_mirror_yet_is_refused_by_name():
+    from jaxserve.config import EngineConfig
+    from jaxserve.multihost import check_supported
+
+    with pytest.raises(ValueError, match="--enable-lora is not supported yet"):
+        check_supported(EngineConfig(enable_lora=True))
+    with pytest.raises(ValueError, match="'draft_model' is not supported yet"):
+        check_supported(EngineConfig(speculative_config={"method": "draft_model", "model": "x",
+                                                         "num_speculative_tokens": 2}))
+    check_supported(EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
