@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/metrics also exposes the queue, running and KV-cache gauges, cache_config_info and "
                    "lora_requests_info under vLLM's names, which gateway endpoint pickers (Gateway API Inference "
                    "Extension, GKE Inference Gateway, llm-d) read unconfigured")
+    g.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas on disjoint devices of this "
+                   "host, one process each on PORT+1+i, behind a router on --port that balances by load and "
+                   "prefix-cache affinity (docs/DEPLOY.md)")
     g = s.add_argument_group("multi-host (one model over the accelerators of several hosts; docs/DEPLOY.md)")
     g.add_argument("--num-hosts", type=int, default=1, help="processes that serve one model together, one per "
                    "host; every one runs this command with the same flags and its own --host-rank")
@@ -313,6 +316,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", default=None, help="write the plan as JSON to this file ('-': stdout, no table)")
     g.add_argument("--plot", default=None, help="write a PNG chart to this file (needs matplotlib)")
 
+    r = command("router", "balance OpenAI requests over running jaxserve (or other OpenAI-compatible) servers by "
+                "load and prefix-cache affinity; /metrics adds every replica's metrics, labelled")
+    r.add_argument("--replicas", nargs="+", required=True, metavar="URL", help="the servers' base URLs, "
+                   "e.g. http://10.0.0.5:8000")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    r.add_argument("--port", type=int, default=8000, help="port to listen on")
+    r.add_argument("--balance-slack", type=int, default=8, help="requests by which the replica holding a "
+                   "request's prefix may be busier than the least-loaded one (and 1.5x as busy) before load wins")
+
     # Only listed here for `jaxserve --help`: main() hands everything after `bench` to the script.
     b = command("bench", "load-test an OpenAI-compatible server (scripts/bench_serving.py; see "
                 "`jaxserve bench --help`)")
@@ -329,14 +341,33 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return _dispatch(args)
+        return _dispatch(args, argv)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
         # ImportError: a compiler plugin for a `plan` target is not installed (the message names the extra)
         print(f"jaxserve {args.command}: error: {e}", file=sys.stderr)
         return 2
 
 
-def _dispatch(args: argparse.Namespace) -> int:
+def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.command == "router":
+        import uvicorn
+
+        from jaxserve.router.app import build_router
+
+        uvicorn.run(build_router(args.replicas, args.balance_slack), host=args.host, port=args.port,
+                    log_level=args.log_level, access_log=False)
+        return 0
+    if args.command == "serve" and args.data_parallel_size != 1:
+        from jaxserve.router.replicas import serve_data_parallel
+
+        if args.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        if args.num_hosts != 1:
+            raise ValueError("--data-parallel-size with --num-hosts is not supported: run a router "
+                             "(`jaxserve router`) over multi-host servers instead")
+        data, model = _engine_config(args, "").mesh_shape
+        return serve_data_parallel(argv, args.data_parallel_size, data * model, args.host, args.port,
+                                   args.log_level)
     if args.command == "serve":
         from jaxserve.server.launch import serve
         from jaxserve.server.state import ServerConfig

@@ -1,0 +1,188 @@
+"""The router's HTTP front: OpenAI requests forwarded to a replica chosen by policy.py, responses
+(SSE streams included) passed through unchanged as they arrive.
+
+Routes: POST /v1/completions, /v1/chat/completions (routed); GET /v1/models (any healthy
+replica's); GET /health (200 while any replica is healthy); GET /metrics (the router's own
+`jaxserve_router:` series, then every replica's metrics with a `replica` label added to each
+sample). A replica's /health is polled every HEALTH_INTERVAL seconds; one that fails gets no new
+requests until it answers again. A request whose replica cannot be reached gets a 502 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import httpx
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from jaxserve.router.policy import RoutingPolicy
+
+logger = logging.getLogger("jaxserve.router")
+
+HEALTH_INTERVAL = 2.0
+# Hop-by-hop and length headers are the proxy's own business on each side.
+_DROPPED_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "host"}
+
+
+def routing_key(body: dict) -> str:
+    """What a request's prefix-cache affinity is decided on: the prompt, or the chat messages."""
+    if "messages" in body:
+        return json.dumps(body.get("messages"), ensure_ascii=False, separators=(",", ":"))
+    prompt = body.get("prompt", "")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?( .*)$")
+
+
+def label_replica(text: str, replica: int, seen_meta: set[str]) -> list[str]:
+    """A replica's Prometheus text with replica="i" on every sample; HELP/TYPE lines once."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            if line not in seen_meta:
+                seen_meta.add(line)
+                out.append(line)
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, rest = m.groups()
+        inner = labels[1:-1] if labels else ""
+        out.append(f'{name}{{replica="{replica}"{"," + inner if inner else ""}}}{rest}')
+    return out
+
+
+class _RouterCollector:
+    def __init__(self, policy: RoutingPolicy, healthy: list[bool]) -> None:
+        self.policy, self.healthy = policy, healthy
+
+    def collect(self):  # noqa: ANN201 (prometheus_client protocol)
+        in_flight = GaugeMetricFamily("jaxserve_router:in_flight", "Requests sent to a replica and not finished.",
+                                      labels=["replica"])
+        routed = CounterMetricFamily("jaxserve_router:routed", "Requests sent to a replica.", labels=["replica"])
+        by_prefix = CounterMetricFamily("jaxserve_router:routed_by_prefix",
+                                        "Requests sent to the replica holding their longest remembered prefix.",
+                                        labels=["replica"])
+        healthy = GaugeMetricFamily("jaxserve_router:replica_healthy", "1 while the replica's /health answers 200.",
+                                    labels=["replica"])
+        for i, load in enumerate(self.policy.loads):
+            in_flight.add_metric([str(i)], load.in_flight)
+            routed.add_metric([str(i)], load.routed)
+            by_prefix.add_metric([str(i)], load.by_prefix)
+            healthy.add_metric([str(i)], 1.0 if self.healthy[i] else 0.0)
+        return [in_flight, routed, by_prefix, healthy]
+
+
+def build_router(replicas: list[str], balance_slack: int = 8, balance_ratio: float = 1.5) -> Starlette:
+    """replicas: base URLs (http://host:port) of jaxserve (or other OpenAI-compatible) servers."""
+    urls = [u.rstrip("/") for u in replicas]
+    policy = RoutingPolicy(len(urls), balance_slack, balance_ratio)
+    healthy = [False] * len(urls)
+    registry = CollectorRegistry()
+    registry.register(_RouterCollector(policy, healthy))
+    client: dict[str, httpx.AsyncClient] = {}
+
+    async def poll_health() -> None:
+        while True:
+            for i, url in enumerate(urls):
+                try:
+                    r = await client["c"].get(f"{url}/health", timeout=5.0)
+                    up = r.status_code == 200
+                except httpx.HTTPError:
+                    up = False
+                if up != healthy[i]:
+                    logger.info("replica %d (%s) is %s", i, url, "healthy" if up else "not healthy")
+                healthy[i] = up
+            await asyncio.sleep(HEALTH_INTERVAL)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        client["c"] = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        task = asyncio.create_task(poll_health())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await client["c"].aclose()
+
+    async def forward(request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            return JSONResponse({"error": {"message": f"request body is not a JSON object: {e}",
+                                           "type": "invalid_request_error", "code": "invalid_json"}}, 400)
+        try:
+            replica = policy.choose(routing_key(body), healthy)
+        except RuntimeError:
+            return JSONResponse({"error": {"message": "no replica is healthy", "type": "unavailable",
+                                           "code": "no_replica"}}, 503)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS}
+        upstream = client["c"].build_request(request.method, urls[replica] + request.url.path, content=raw,
+                                             headers=headers, params=request.query_params)
+        try:
+            response = await client["c"].send(upstream, stream=True)
+        except httpx.HTTPError as e:
+            policy.done(replica)
+            return JSONResponse({"error": {"message": f"replica {replica} ({urls[replica]}) cannot be reached: "
+                                           f"{type(e).__name__}", "type": "bad_gateway", "code": "replica_unreachable"}},
+                                502)
+
+        async def relay() -> AsyncIterator[bytes]:
+            # finally: also when the client goes away mid-stream (closing upstream aborts it there)
+            try:
+                async for chunk in response.aiter_bytes():
+                    yield chunk
+            finally:
+                await response.aclose()
+                policy.done(replica)
+
+        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROPPED_HEADERS}
+        return StreamingResponse(relay(), response.status_code, out_headers)
+
+    async def models(request: Request) -> Response:
+        for i, url in enumerate(urls):
+            if healthy[i]:
+                r = await client["c"].get(f"{url}/v1/models", headers={
+                    k: v for k, v in request.headers.items() if k.lower() == "authorization"})
+                return Response(r.content, r.status_code, media_type="application/json")
+        return JSONResponse({"error": {"message": "no replica is healthy", "type": "unavailable",
+                                       "code": "no_replica"}}, 503)
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200 if any(healthy) else 503)
+
+    async def metrics(request: Request) -> Response:
+        lines = [generate_latest(registry).decode().rstrip("\n")]
+        seen: set[str] = set()
+        for i, url in enumerate(urls):
+            try:
+                r = await client["c"].get(f"{url}/metrics", timeout=5.0)
+            except httpx.HTTPError:
+                continue
+            lines += label_replica(r.text, i, seen)
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    app = Starlette(routes=[
+        Route("/v1/completions", forward, methods=["POST"]),
+        Route("/v1/chat/completions", forward, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ], lifespan=lifespan)
+    app.state.policy = policy
+    return app

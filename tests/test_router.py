@@ -1,0 +1,229 @@
+"""Data-parallel replicas behind the router: `jaxserve serve --data-parallel-size 2` (two engine
+processes, one CPU device each) with the official openai client. 100 concurrent streams all
+complete and split within 20 % of even; a shared-prefix workload lands on one replica, whose
+prefix cache serves it. Plus the routing policy, the metrics relabelling and the replica set-up
+on their own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from jaxserve.router.app import label_replica, routing_key
+from jaxserve.router.policy import PREFIX_BLOCK_CHARS, RoutingPolicy
+from jaxserve.router.replicas import local_platform, replica_argv, replica_env
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- the policy alone
+
+def test_requests_without_a_shared_prefix_go_to_the_least_loaded_replica_in_turn():
+    policy = RoutingPolicy(3)
+    chosen = [policy.choose(f"prompt {i}") for i in range(6)]
+    assert chosen == [0, 1, 2, 0, 1, 2]
+    policy.done(1)
+    policy.done(1)
+    assert policy.choose("another") == 1
+
+
+def test_a_request_goes_to_the_replica_holding_its_longest_prefix():
+    policy = RoutingPolicy(2)
+    system = "You are a helpful assistant. " * 10  # > 4 blocks
+    first = policy.choose(system + "Question one")
+    other = policy.choose("unrelated " * 20)
+    assert other != first
+    assert all(policy.choose(system + f"Question {i}") == first for i in range(5))
+    assert policy.loads[first].by_prefix == 5
+    # the longest remembered prefix decides: replica 1 holds system + extra, replica 0 system alone
+    longer = system + "x" * (2 * PREFIX_BLOCK_CHARS)
+    policy = RoutingPolicy(2)
+    assert policy.choose(longer, healthy=[False, True]) == 1
+    assert policy.choose(system, healthy=[True, False]) == 0
+    assert policy.choose(system + " and more") == 0
+    assert policy.choose(longer + " and more") == 1
+
+
+def test_load_wins_over_the_prefix_once_the_holder_is_far_busier():
+    policy = RoutingPolicy(2, balance_slack=3, balance_ratio=1.5)
+    key = "shared prefix " * 20
+    holder = policy.choose(key)
+    for _ in range(3):
+        assert policy.choose(key) == holder  # in flight 2, 3, 4 vs 0: within slack until 4 - 0 > 3
+    assert policy.choose(key) == 1 - holder
+    assert policy.loads[holder].in_flight == 4
+
+
+def test_unhealthy_replicas_get_nothing():
+    policy = RoutingPolicy(3)
+    assert {policy.choose(str(i), healthy=[False, True, False]) for i in range(4)} == {1}
+    with pytest.raises(RuntimeError, match="no replica is healthy"):
+        policy.choose("x", healthy=[False, False, False])
+
+
+def test_routing_keys_are_the_prompt_or_the_messages():
+    assert routing_key({"prompt": "abc"}) == "abc"
+    chat = routing_key({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]})
+    assert chat.startswith('[{"role":"system","content":"S"}')
+
+
+def test_replica_metrics_get_a_replica_label_and_one_help_line():
+    text = ('# HELP jaxserve:num_requests_running Sequences.\n# TYPE jaxserve:num_requests_running gauge\n'
+            'jaxserve:num_requests_running{model_name="m"} 3.0\nprocess_cpu 1.5\n')
+    seen: set[str] = set()
+    out = label_replica(text, 0, seen) + label_replica(text, 1, seen)
+    assert out.count("# HELP jaxserve:num_requests_running Sequences.") == 1
+    assert 'jaxserve:num_requests_running{replica="1",model_name="m"} 3.0' in out
+    assert 'process_cpu{replica="0"} 1.5' in out
+
+
+def test_each_replica_sees_its_own_devices_and_port():
+    assert replica_argv(["--model", "m", "--port", "8000", "--data-parallel-size=2", "--host", "0.0.0.0",
+                         "--max-num-seqs", "4"], 8002) == ["--model", "m", "--max-num-seqs", "4", "--host",
+                                                           "127.0.0.1", "--port", "8002"]
+    env = replica_env("cpu", 1, 2, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/d"})
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/d --xla_force_host_platform_device_count=2"
+    assert replica_env("gpu", 1, 2, {})["CUDA_VISIBLE_DEVICES"] == "2,3"
+    tpu = replica_env("tpu", 1, 1, {})
+    assert (tpu["TPU_VISIBLE_CHIPS"], tpu["TPU_PROCESS_PORT"]) == ("1", "8477")
+    with pytest.raises(ValueError, match="a replica of 3 chips"):
+        replica_env("tpu", 0, 3, {})
+    assert local_platform({"JAX_PLATFORMS": "cuda"}) == "gpu"
+
+
+# ---------------------------------------------------------------- two real replicas
+
+def _free_port_block(n: int) -> int:
+    """A port p with p..p+n-1 free (the router takes p, replica i takes p+1+i)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block")
+
+
+def _metric(text: str, name: str, replica: int) -> float:
+    total = 0.0
+    for m in re.finditer(rf'^{re.escape(name)}\{{replica="{replica}"[^}}]*\}} (\S+)$', text, re.M):
+        total += float(m.group(1))
+    return total
+
+
+@pytest.fixture(scope="module")
+def data_parallel(tmp_path_factory):
+    port = _free_port_block(3)
+    log = tmp_path_factory.mktemp("dp") / "serve.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--data-parallel-size", "2", "--port", str(port),
+           "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len", "512", "--no-progress",
+           "--no-access-log"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            try:
+                text = httpx.get(f"{url}/metrics", timeout=5).text
+                if all(_metric(text, "jaxserve_router:replica_healthy", i) == 1 for i in (0, 1)):
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(1)
+        yield url, log
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def _stream(client: openai.AsyncOpenAI, prompt: str, max_tokens: int = 8) -> str | None:
+    stream = await client.completions.create(model="jaxserve-tiny", prompt=prompt, max_tokens=max_tokens,
+                                             temperature=0.0, stream=True)
+    finish = None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    return finish
+
+
+def test_100_concurrent_streams_complete_and_split_evenly(data_parallel):
+    url, _ = data_parallel
+    before = httpx.get(f"{url}/metrics").text
+
+    async def run() -> list[str | None]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=300, max_retries=0)
+        return await asyncio.gather(*(_stream(client, f"{i}: tell me about item number {i * 7919}")
+                                      for i in range(100)))
+
+    finishes = asyncio.run(run())
+    assert all(f in ("length", "stop") for f in finishes), finishes
+    after = httpx.get(f"{url}/metrics").text
+    routed = [_metric(after, "jaxserve_router:routed_total", i) - _metric(before, "jaxserve_router:routed_total", i)
+              for i in (0, 1)]
+    served = [_metric(after, "jaxserve:request_success_total", i)
+              - _metric(before, "jaxserve:request_success_total", i) for i in (0, 1)]
+    assert routed == served and sum(served) == 100, (routed, served)
+    assert all(40 <= n <= 60 for n in served), served
+    assert all(_metric(after, "jaxserve_router:in_flight", i) == 0 for i in (0, 1))
+
+
+def test_a_shared_prefix_workload_lands_on_one_replica_and_hits_its_prefix_cache(data_parallel):
+    url, _ = data_parallel
+    system = "You are a meticulous assistant who answers questions about the jaxserve engine. " * 6
+    before = httpx.get(f"{url}/metrics").text
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=300, max_retries=0)
+        await _stream(client, system + "First question?")
+        for batch in range(4):  # 4 at a time: the holder stays within the balance slack
+            await asyncio.gather(*(_stream(client, system + f"Question {batch}.{j}?") for j in range(4)))
+
+    asyncio.run(run())
+    after = httpx.get(f"{url}/metrics").text
+    delta = lambda name, i: _metric(after, name, i) - _metric(before, name, i)  # noqa: E731
+    routed = [delta("jaxserve_router:routed_total", i) for i in (0, 1)]
+    holder = routed.index(17)
+    assert routed[1 - holder] == 0, routed
+    assert delta("jaxserve_router:routed_by_prefix_total", holder) == 16
+    assert delta("jaxserve:prefix_cache_hits_total", holder) > 16 * 50  # the shared prompt's pages, reused
+    assert delta("jaxserve:prefix_cache_hits_total", 1 - holder) == 0
+
+
+def test_the_router_passes_errors_through_and_refuses_bad_json(data_parallel):
+    url, _ = data_parallel
+    r = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not a JSON object" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/completions", json={"model": "jaxserve-tiny", "prompt": "hi", "max_tokens": -3})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]  # the replica's own answer
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "jaxserve-tiny"
