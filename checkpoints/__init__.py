@@ -12,17 +12,20 @@ from jax.sharding import Mesh
 from checkpoints import orbax_io
 from checkpoints.hf import load_weights, resolve_model_dir, tensor_names
 from checkpoints.quantized import quantized_marker_part
+from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.model.weights import Weights
 from jaxserve.quant.scheme import online_scheme
 
 
 def load_model(name_or_path: str | Path, mesh: Mesh, dtype: Any = jnp.float32,
-               quantization: str | None = None) -> tuple[ModelConfig, Weights]:
+               quantization: str | None = None,
+               rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[ModelConfig, Weights]:
     """Config and sharded weights from a HF directory, a cached hub id, or a converted directory.
 
     quantization: an online scheme ("int8", "int4", "fp8") applied while the tensors load; a
-    converted directory keeps the scheme it was converted with."""
+    converted directory keeps the scheme it was converted with. rules: the logical-axis rules
+    the weights are placed by (layouts.RULE_SETS; default: tensor parallelism)."""
     model_dir = resolve_model_dir(name_or_path)
     cfg = ModelConfig.from_hf(model_dir)
     if orbax_io.is_converted(model_dir):
@@ -31,7 +34,7 @@ def load_model(name_or_path: str | Path, mesh: Mesh, dtype: Any = jnp.float32,
             raise ValueError(f"{model_dir} was converted {'without quantization' if saved is None else 'with ' + saved.method}"
                              f"; convert it again with --quantization {quantization}")
         cfg = dataclasses.replace(cfg, quantization=saved)
-        return cfg, orbax_io.restore(model_dir, cfg, mesh, dtype)
+        return cfg, orbax_io.restore(model_dir, cfg, mesh, dtype, rules)
     if cfg.quantization is not None:  # a pre-quantized checkpoint
         if quantization is not None:
             raise ValueError(f"{model_dir} is already quantized ({cfg.quantization.method}); drop --quantization "
@@ -41,7 +44,7 @@ def load_model(name_or_path: str | Path, mesh: Mesh, dtype: Any = jnp.float32,
         cfg = dataclasses.replace(cfg, quantization=dataclasses.replace(cfg.quantization, lm_head=lm_head))
     elif quantization is not None:
         cfg = dataclasses.replace(cfg, quantization=online_scheme(quantization))
-    return cfg, load_weights(model_dir, cfg, mesh, dtype)
+    return cfg, load_weights(model_dir, cfg, mesh, dtype, rules)
 
 
 __all__ = ["load_model", "load_weights", "resolve_model_dir", "orbax_io"]

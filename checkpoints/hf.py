@@ -24,7 +24,7 @@ from checkpoints import quantized
 from jaxserve.config import ModelConfig
 from jaxserve.model import weights as W
 from jaxserve.quant import host as quant_host
-from jaxserve.sharding import put
+from jaxserve.sharding import DEFAULT_RULES, Rules, put
 
 # Tensors transformers may store that carry no weights we need.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -211,7 +211,8 @@ def _set(tree: W.Weights, path: tuple[Any, ...], value: Any) -> W.Weights:
     return tree.replace(**{path[0]: value})
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any = jnp.float32) -> W.Weights:
+def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any = jnp.float32,
+                 rules: Rules = DEFAULT_RULES) -> W.Weights:
     """Reads every tensor of the checkpoint onto its sharding; errors name the offending tensor.
 
     Quantized leaves are filled on the host before placement: by quantizing the full-precision
@@ -219,7 +220,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
     have been read (checkpoints/quantized.py)."""
     model_dir = Path(model_dir)
     spec_tree = W.abstract(cfg, dtype)
-    sharding_tree = W.shardings(spec_tree, cfg, mesh)
+    sharding_tree = W.shardings(spec_tree, cfg, mesh, rules)
     table = _name_table(cfg)
     q = cfg.quantization
     # Pre-quantized formats: HF module prefix -> its "<prefix>.weight" table entry, per quantized leaf.

@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
+from jaxserve import sharding
 from jaxserve.model import weights as W
 from jaxserve.quant.scheme import WeightQuant
 
@@ -59,12 +60,13 @@ def save(weights: W.Weights, dst: str | Path, src_model_dir: str | Path | None =
     return dst
 
 
-def restore(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any = jnp.float32) -> W.Weights:
+def restore(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any = jnp.float32,
+            rules: sharding.Rules = sharding.DEFAULT_RULES) -> W.Weights:
     """Restores onto the shardings `mesh` implies (which may differ from the ones it was saved with)."""
     path = Path(model_dir).absolute() / ORBAX_SUBDIR
     if not path.is_dir():
         raise FileNotFoundError(f"no orbax checkpoint at {path}")
-    target = W.abstract_arrays(cfg, dtype, mesh)
+    target = W.abstract_arrays(cfg, dtype, mesh, rules)
     with ocp.StandardCheckpointer() as ckptr:
         try:
             return ckptr.restore(path, target)

@@ -75,6 +75,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="shorthand for --mesh 1xN "
                    "(default: from --mesh)")
     g.add_argument("--mesh", type=_mesh, default=None, help="device mesh DATAxMODEL (default: 1x1)")
+    g.add_argument("--layout", default="tp", help="how the mesh splits the model (jaxserve/layouts.py): tp, "
+                   "tp-ep (MoE: whole experts over the model axis, tokens dispatched to them by all-to-all), "
+                   "tp-ep-data (MoE, EP x TP: experts over the data axis, each expert's width over the model "
+                   "axis), tp-vocab-replicated, tp-kv-replicated")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, else the checkpoint's), float32, "
                    "bfloat16, float16")
     _quantization_arg(g)
@@ -159,7 +163,7 @@ def _engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  
     return EngineConfig(
         model_id=model_id, **_size_fields(args), enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
-        dtype=None if args.dtype == "auto" else args.dtype, quantization=args.quantization, mesh_shape=mesh,
+        dtype=None if args.dtype == "auto" else args.dtype, quantization=args.quantization, mesh_shape=mesh, layout=args.layout,
         attention_backend=args.attention_backend, compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,
         seed=args.seed, speculative_config=args.speculative_config, enable_lora=args.enable_lora,
         lora_modules=tuple(args.lora_modules), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
@@ -291,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = pl.add_argument_group("target")
     g.add_argument("--target", required=True, help="tpu-v5e:2x4, tpu-v6e:2x2, tpu-v5p:2x2x1, gpu-h100:1x1x8, "
                    "gpu-h200:1x1x1, cpu, cpu:N (TPU: chip grid; GPU: slices x hosts x GPUs)")
-    g.add_argument("--layout", default="tp", help="logical-axis rules (jaxserve/layouts.py RULE_SETS): tp "
+    g.add_argument("--layout", default="tp", help="logical-axis rules (jaxserve/layouts.py RULE_SETS; not "
+                   "tp-ep-data, which needs a data axis): tp "
                    "(serving's default), tp-ep (MoE: whole experts per device), tp-vocab-replicated or "
                    "tp-kv-replicated")
     g.add_argument("--tp", type=int, default=None, help="devices per replica (default: every device of the "

@@ -294,6 +294,7 @@ class EngineConfig:
     quantization: str | None = None          # online weight quantization: "int8" | "int4" | "fp8" (quant/scheme.py)
     kv_cache_dtype: str = "auto"             # KV pages: "auto" (compute dtype) | "int8" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
     mesh_shape: tuple[int, int] = (1, 1)     # (data, model)
+    layout: str = "tp"                       # logical-axis rules (layouts.RULE_SETS): how the mesh splits the model
     attention_backend: str = "auto"          # "auto" | "reference" | "tpu" | "gpu"
     token_buckets: tuple[int, ...] | None = None   # None: the geometric ladder (buckets.py)
     seq_buckets: tuple[int, ...] | None = None     # None: the geometric ladder (buckets.py)

@@ -86,11 +86,12 @@ def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, mesh:
     return KVPages(k=layers, v=layers, k_scales=[scale] * cfg.num_layers, v_scales=[scale] * cfg.num_layers)
 
 
-def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, mesh: Mesh) -> KVPages:
+def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, mesh: Mesh,
+             rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVPages:
     """A zeroed pool (every array its own buffer, so each can be donated)."""
     def zeros(spec: jax.ShapeDtypeStruct) -> jax.Array:
         return jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=spec.sharding)()
-    return jax.tree.map(zeros, abstract(cfg, num_pages, page_size, dtype, mesh))
+    return jax.tree.map(zeros, abstract(cfg, num_pages, page_size, dtype, mesh, rules))
 
 
 def write(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:

@@ -24,7 +24,23 @@ RULE_SETS: dict[str, tuple[tuple[str, str | None], ...]] = {
     "tp-kv-replicated": tuple((k, None if k == "kv_heads" else v) for k, v in sharding.DEFAULT_RULES),
     # MoE: whole experts split over the model axis (expert parallelism) instead of TP inside each
     "tp-ep": tuple((k, {"expert": MODEL, "expert_mlp": None}.get(k, v)) for k, v in sharding.DEFAULT_RULES),
+    # MoE, EP x TP on a DATAxMODEL mesh: experts split over `data`, each expert's width over `model`
+    # (attention stays tensor-parallel over `model`, repeated on each `data` row)
+    "tp-ep-data": tuple((k, {"expert": sharding.DATA_AXIS}.get(k, v)) for k, v in sharding.DEFAULT_RULES),
 }
+
+
+# layouts that put something on the data axis (serving's --mesh DATAxMODEL), not planned
+DATA_AXIS_LAYOUTS = frozenset({"tp-ep-data"})
+
+
+def layout_rules(name: str, cfg: ModelConfig) -> tuple[tuple[str, str | None], ...]:
+    """The rules of a serving layout (--layout); the expert-parallel ones need a mixture of experts."""
+    if name not in RULE_SETS:
+        raise ValueError(f"unknown layout {name!r}; known: {', '.join(RULE_SETS)}")
+    if "-ep" in name and cfg.moe is None:
+        raise ValueError(f"layout {name!r} splits experts, and {cfg.architecture} has none")
+    return RULE_SETS[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +62,9 @@ def make_layout(rules_name: str, num_devices: int, tp: int | None = None) -> Lay
     """`tp` devices per replica (default: every device of the target in one replica)."""
     if rules_name not in RULE_SETS:
         raise ValueError(f"unknown layout {rules_name!r}; known: {', '.join(RULE_SETS)}")
+    if rules_name in DATA_AXIS_LAYOUTS:
+        raise ValueError(f"layout {rules_name!r} splits over the data axis of a DATAxMODEL mesh; planned replicas "
+                         "are 1xTP meshes (serve it with --mesh DxT --layout " + rules_name + ")")
     tp = num_devices if tp is None else tp
     if tp < 1 or num_devices % tp:
         raise ValueError(f"tensor-parallel size {tp} does not divide the target's {num_devices} devices")
@@ -84,14 +103,14 @@ def candidate_layouts(cfg: ModelConfig, num_devices: int) -> list[Layout]:
     """Every layout of RULE_SETS x TP size (a divisor of the device count) that divides the model."""
     out = []
     for name in RULE_SETS:
+        if name in DATA_AXIS_LAYOUTS or ("-ep" in name and cfg.moe is None):
+            continue  # planned replicas have no data axis; experts split only in an MoE
         for tp in range(1, num_devices + 1):
             if num_devices % tp:
                 continue
             layout = make_layout(name, num_devices, tp)
             if name != "tp" and tp == 1:
                 continue  # with one device per replica every rule set is the same layout
-            if name == "tp-ep" and cfg.moe is None:
-                continue  # the same layout as "tp" for a dense model
             try:
                 check_divides(layout, cfg)
             except ValueError:

@@ -24,6 +24,7 @@ from jaxserve.config import EngineConfig, ModelConfig, normalize_dtype_name
 from jaxserve.default_model import DISPLAY_NAME
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine import EngineCore
+from jaxserve.layouts import layout_rules
 from jaxserve.request import FinishReason, Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding import make_mesh
@@ -79,7 +80,8 @@ def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
     enable_compilation_cache(engine_cfg.compilation_cache_dir)
     dtype = resolve_dtype(engine_cfg.dtype, ModelConfig.from_hf(model_dir).dtype)
     mesh = make_mesh(*engine_cfg.mesh_shape)
-    model_cfg, weights = load_model(model_dir, mesh, dtype, engine_cfg.quantization)
+    model_cfg, weights = load_model(model_dir, mesh, dtype, engine_cfg.quantization,
+                                    layout_rules(engine_cfg.layout, ModelConfig.from_hf(model_dir)))
     # The KV pool is filled asynchronously on the device: the tokenizer loads meanwhile.
     core = EngineCore(model_cfg, weights, engine_cfg, mesh, dtype)
     tokenizer = tokenizer or Tokenizer.from_pretrained(model_dir)

@@ -30,7 +30,9 @@ from jaxserve import kv_cache, sharding
 from jaxserve.capacity import plan_capacity
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.machine import machine_info
+from jaxserve.layouts import layout_rules
 from jaxserve.model.attention import make_attention
+from jaxserve.model.expert_parallel import make_moe
 from jaxserve.model.kv_heads import duplicate_kv_heads
 from jaxserve.model.weights import Weights
 from jaxserve.packing import pack
@@ -86,10 +88,11 @@ class ModelRunner:
         """draft: the speculative proposer's (config, weights): a draft model's (ModelConfig,
         Weights) for method draft_model, an EAGLE-3 head's (Eagle3Config, Eagle3Weights) for eagle3."""
         CompileCounter.install()
+        self.rules = rules = layout_rules(engine_cfg.layout, model_cfg)
         # A model axis wider than the KV head count holds one duplicated KV head per device.
         kv_heads = model_cfg.num_kv_heads
         checkpoint_cfg = model_cfg  # what adapters are checked against (KV heads as stored)
-        model_cfg, weights = duplicate_kv_heads(model_cfg, weights, mesh)
+        model_cfg, weights = duplicate_kv_heads(model_cfg, weights, mesh, rules)
         if model_cfg.num_kv_heads != kv_heads:
             logger.info("KV heads duplicated %d -> %d: one per device of the %d-way model axis", kv_heads,
                         model_cfg.num_kv_heads, mesh.shape[sharding.MODEL_AXIS])
@@ -115,11 +118,13 @@ class ModelRunner:
                                 getattr(mesh.devices.flat[0], "compute_capability", None))
         if note := kv_quant.platform_note(engine_cfg.kv_cache_dtype, machine.platform):
             logger.warning("%s", note)
-        self.kv = kv_cache.allocate(model_cfg, num_pages, engine_cfg.page_size, kv_dtype(engine_cfg, self.dtype), mesh)
+        self.kv = kv_cache.allocate(model_cfg, num_pages, engine_cfg.page_size, kv_dtype(engine_cfg, self.dtype), mesh,
+                                   rules)
         self.num_pages = num_pages
         self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size, eagle=eagle is not None)
         self._replicated = sharding.replicated(mesh)
-        self._attention = make_attention(engine_cfg.attention_backend, model_cfg, mesh)
+        self._attention = make_attention(engine_cfg.attention_backend, model_cfg, mesh, rules)
+        self._moe = make_moe(model_cfg, mesh, rules)  # None unless the layout splits whole experts
         self._rows_width = rows_width(engine_cfg)
         # [rows_width] int32: the last dispatched step's sampled ids, on the device
         self._prev_ids = self._put(np.zeros(self._rows_width, np.int32))
@@ -223,7 +228,7 @@ class ModelRunner:
         return dict(kv=self.kv, packed=self._put(packed), spec=spec, cfg=self.model_cfg,
                     attention_fn=self._attention, prev_ids=self._prev_ids,
                     lora=self.lora.arrays if self.lora is not None else None,
-                    aux_layers=self.eagle.aux_layers if self.eagle is not None else ())
+                    aux_layers=self.eagle.aux_layers if self.eagle is not None else (), moe_fn=self._moe)
 
     def _lora_slots(self) -> "DeviceSlots":
         """Every --lora-modules adapter read and checked now; slots filled as requests need them."""
@@ -264,7 +269,7 @@ class ModelRunner:
     def compile(self, program: Program) -> jax.stages.Compiled:
         """One serving program compiled from shapes alone (for memory and HLO inspection)."""
         return lower_program(program, self.model_cfg, self.engine_cfg, self.mesh, self.dtype,
-                             self._attention).compile()
+                             self._attention, self.rules).compile()
 
     @staticmethod
     def fetch(out: SamplerOutput) -> SamplerOutput:

@@ -27,6 +27,7 @@ from jaxserve import kv_cache, sharding
 from jaxserve.buckets import Program, declared_buckets, logits_buckets
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model import weights as weights_mod
+from jaxserve.model.expert_parallel import make_moe
 from jaxserve.model.paged import forward_paged
 from jaxserve.model.weights import Weights
 from jaxserve.packing import PackSpec, pack, unpack
@@ -37,12 +38,13 @@ from jaxserve.step_inputs import StepArrays
 
 def _forward_packed(weights: Weights, kv: kv_cache.KVPages, packed: jax.Array, spec: PackSpec, cfg: ModelConfig,
                     attention_fn: Callable[..., jax.Array], prev_ids: jax.Array, lora: Any = None,
-                    aux_layers: tuple[int, ...] = ()) -> tuple[Any, ...]:
+                    aux_layers: tuple[int, ...] = (), moe_fn: Callable[..., jax.Array] | None = None
+                    ) -> tuple[Any, ...]:
     """(logits, pages), plus the EAGLE-3 head's input states with `aux_layers` (model/paged.py)."""
-    return forward_paged(weights, cfg, kv, unpack(packed, spec), attention_fn, prev_ids, lora, aux_layers)
+    return forward_paged(weights, cfg, kv, unpack(packed, spec), attention_fn, prev_ids, lora, aux_layers, moe_fn)
 
 
-forward_step = jax.jit(_forward_packed, static_argnames=("spec", "cfg", "attention_fn", "aux_layers"),
+forward_step = jax.jit(_forward_packed, static_argnames=("spec", "cfg", "attention_fn", "aux_layers", "moe_fn"),
                        donate_argnames=("kv",))
 
 
@@ -143,7 +145,8 @@ def _lower(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, m
         prev_ids = jax.ShapeDtypeStruct((rows_width(engine_cfg),), jnp.int32, sharding=replicated)
         return forward_step.lower(abstract_weights(model_cfg, dtype, mesh, rules), kv=kv, packed=packed, spec=spec,
                                   cfg=model_cfg, attention_fn=attention_fn, prev_ids=prev_ids,
-                                  lora=abstract_lora(model_cfg, engine_cfg, dtype, mesh, rules), aux_layers=aux_layers)
+                                  lora=abstract_lora(model_cfg, engine_cfg, dtype, mesh, rules), aux_layers=aux_layers,
+                                  moe_fn=make_moe(model_cfg, mesh, rules))
     if program.kind == "sample":
         packed, spec = host(dummy_sampling(program.rows, program.history))
         resolved = sharding.rules_for(weights_mod.logical_dims(model_cfg), mesh, rules)

@@ -147,13 +147,17 @@ MOE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1000, "hidden_siz
        "norm_topk_prob": True}
 
 
-def _kernel_calls(cfg, devices, rules: str, tp: int, marker: str) -> int:
-    """Kernel launches (`marker` custom calls) in the largest forward of `cfg` on `devices`."""
+def _largest_forward(cfg, devices, rules: str, tp: int) -> str:
+    """The compiled HLO text of the largest forward of `cfg` on `devices`."""
     layout = make_layout(rules, len(devices), tp)
     mesh = make_mesh(1, layout.tp, devices)
     program = [p for p in serving_programs(ENGINE, cfg) if p.kind == "forward"][-1]
-    text = lower_program(program, cfg, ENGINE, mesh, "bfloat16", make_attention("auto", cfg, mesh, layout.rules),
+    return lower_program(program, cfg, ENGINE, mesh, "bfloat16", make_attention("auto", cfg, mesh, layout.rules),
                          layout.rules).compile().as_text()
+
+
+def _kernel_calls(text: str, marker: str) -> int:
+    """Kernel launches (`marker` custom calls) in an HLO text."""
     return sum(1 for line in text.splitlines() if marker in line and "custom-call(" in line)
 
 
@@ -169,9 +173,12 @@ def test_moe_forward_runs_its_grouped_matmuls_as_mosaic_kernels_on_tpu(rules):
     moe = ModelConfig.from_hf(MOE)
     dense = dataclasses.replace(moe, moe=None)
     devices = parse_target("tpu-v6e:2x2").devices()
-    extra = (_kernel_calls(moe, devices, rules, 4, "tpu_custom_call")
-             - _kernel_calls(dense, devices, rules, 4, "tpu_custom_call"))
+    text = _largest_forward(moe, devices, rules, 4)
+    extra = _kernel_calls(text, "tpu_custom_call") - _kernel_calls(_largest_forward(dense, devices, "tp", 4),
+                                                                   "tpu_custom_call")
     assert 3 * moe.num_layers <= extra <= 4 * moe.num_layers
+    # expert parallelism moves tokens to their experts' devices and back by all-to-all
+    assert (text.count("all-to-all-start(") + text.count("all-to-all(") >= 3 * moe.num_layers) == (rules == "tp-ep")
 
 
 @pytest.mark.gpu_compile
@@ -183,6 +190,8 @@ def test_moe_forward_runs_its_grouped_matmuls_as_triton_kernels_on_two_h100s():
 
     moe = ModelConfig.from_hf(MOE)
     devices = gpu_devices("h100", "1x1x2")
-    extra = (_kernel_calls(moe, devices, "tp", 2, "__gpu$xla.gpu.triton")
-             - _kernel_calls(dataclasses.replace(moe, moe=None), devices, "tp", 2, "__gpu$xla.gpu.triton"))
-    assert 3 * moe.num_layers <= extra <= 4 * moe.num_layers
+    marker = "__gpu$xla.gpu.triton"
+    for rules in ("tp", "tp-ep"):
+        extra = (_kernel_calls(_largest_forward(moe, devices, rules, 2), marker)
+                 - _kernel_calls(_largest_forward(dataclasses.replace(moe, moe=None), devices, "tp", 2), marker))
+        assert 3 * moe.num_layers <= extra <= 4 * moe.num_layers, rules

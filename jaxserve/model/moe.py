@@ -96,9 +96,9 @@ def _nonempty_groups(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> 
     return jax.lax.fori_loop(0, rhs.shape[0], group, jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype))
 
 
-def route(layer: LayerWeights, x: jax.Array, moe: MoEConfig) -> tuple[jax.Array, jax.Array]:
-    """x [T, D] -> (weights [T, k] float32, expert ids [T, k] int32)."""
-    logits = einsum("td,de->te", x, layer.router)
+def route(router: jax.Array, x: jax.Array, moe: MoEConfig) -> tuple[jax.Array, jax.Array]:
+    """x [T, D], router [D, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""
+    logits = einsum("td,de->te", x, router)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, moe.top_k)
     if moe.renormalize:
@@ -110,7 +110,7 @@ def moe_mlp(layer: LayerWeights, x: jax.Array, moe: MoEConfig) -> jax.Array:
     """x [..., D] -> [..., D]: the experts' SwiGLU MLPs, mixed by the router's weights."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])                                                   # [T, D]
-    weights, experts = route(layer, x, moe)
+    weights, experts = route(layer.router, x, moe)
     flat = experts.reshape(-1)                                                     # [T k]
     order = jnp.argsort(flat, stable=True)
     rows = jnp.take(x, order // moe.top_k, axis=0)                                 # [T k, D] by expert

@@ -43,7 +43,8 @@ def paged_attend(cfg: ModelConfig, arrays: Any, attention_fn: Callable[..., jax.
 
 def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arrays: Any,
                   attention_fn: Callable[..., jax.Array],
-                  prev_ids: jax.Array, lora: Any = None, aux_layers: tuple[int, ...] = ()) -> tuple[Any, ...]:
+                  prev_ids: jax.Array, lora: Any = None, aux_layers: tuple[int, ...] = (),
+                  moe_fn: Callable[..., jax.Array] | None = None) -> tuple[Any, ...]:
     """arrays: a StepArrays of device arrays; prev_ids: [max_num_seqs] int32, the previous step's
     sampled ids; lora: the adapter slots' factors per layer (lora/slots.py) when LoRA is on, read
     by each token through its `arrays.lora_slot`. Returns (logits [S, Vp] float32, updated pages), and
@@ -57,5 +58,5 @@ def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arra
         one_hot = (arrays.lora_slot[:, None] == jnp.arange(num_slots)[None, :]).astype(jnp.float32)  # [T, N]
         lora_inputs = LoraInputs(lora, one_hot)
     out = forward(weights, cfg, token_ids, arrays.positions, attend, kv.layers(), logits_index=arrays.logits_index,
-                  seq_lens_per_token=seq_len_per_token, lora=lora_inputs, aux_layers=aux_layers)
+                  seq_lens_per_token=seq_len_per_token, lora=lora_inputs, aux_layers=aux_layers, moe_fn=moe_fn)
     return (out[0], kv_cache.KVPages.from_layers(out[1]), *out[2:])

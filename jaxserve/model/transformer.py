@@ -67,7 +67,7 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
             attend: Attend, caches: Sequence[Any], *, logits_index: jax.Array | None = None,
             seq_lens_per_token: jax.Array | None = None,
             lora: lora_apply.LoraInputs | None = None,
-            aux_layers: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
+            aux_layers: tuple[int, ...] = (), moe_fn: Callable[..., jax.Array] | None = None) -> tuple[jax.Array, ...]:
     """tokens, positions: [...] int32. Returns (float32 logits, updated caches), and with
     `aux_layers` a third output: the residual stream entering each of those layers, concatenated
     in layer order ([..., len(aux_layers) * D]: what an EAGLE-3 head reads).
@@ -76,6 +76,8 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
     computes logits only for the rows that sample ([R] -> logits [R, Vp]); None keeps every row.
     seq_lens_per_token: [...] each token's sequence length (dynamic RoPE only).
     lora: adapter slots and each token's slot one-hot [..., N] (multi-LoRA), or None.
+    moe_fn: the sparse blocks' function (moe_mlp's signature): expert_parallel.make_moe's explicit
+    dispatch for an expert-parallel layout; None: moe.moe_mlp, partitioned by XLA.
     """
     x = jnp.take(weights.embed, tokens, axis=0)
     cos, sin = rope.cos_sin(cfg, positions, seq_lens_per_token)
@@ -91,7 +93,7 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
         out = out.astype(x.dtype)
         x = x + lora_apply.add(_add(einsum("...hk,hkd->...d", out, layer.wo), layer.bo), "o_proj", out, lo)
         h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-        x = x + (mlp(layer, h, lo) if layer.router is None else moe_mlp(layer, h, cfg.moe))
+        x = x + (mlp(layer, h, lo) if layer.router is None else (moe_fn or moe_mlp)(layer, h, cfg.moe))
     if logits_index is not None:
         x = jnp.take(x.reshape(-1, x.shape[-1]), logits_index, axis=0)
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)

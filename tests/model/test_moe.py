@@ -34,7 +34,7 @@ def test_full_sequence_logits_match_transformers(variant, tmp_path):
     assert_logits_close(ours, _hf_logits(model, ids, mask))
     # the routing is not trivial: the tokens of this batch reach every expert
     layer = next(lw for lw in weights.layers if lw.router is not None)
-    _, experts = route(layer, jnp.take(weights.embed, jnp.asarray(ids.reshape(-1)), axis=0), cfg.moe)
+    _, experts = route(layer.router, jnp.take(weights.embed, jnp.asarray(ids.reshape(-1)), axis=0), cfg.moe)
     assert len(np.unique(np.asarray(experts))) == cfg.moe.num_experts
 
 
@@ -144,3 +144,60 @@ def test_engine_with_experts_split_over_four_devices_equals_transformers(qwen3_m
     for i, p in enumerate(PROMPTS):
         assert got[f"r{i}"][0] == _hf_generate(model, [p], 10)[0], i
     assert core.runner.compilations_after_warmup == 0
+
+
+@pytest.mark.parametrize("data,model,expert_axis,tensor_axis", [
+    (1, 2, "model", None), (1, 4, "model", None), (1, 8, "model", None),  # EP = 2 / 4 / 8
+    (2, 4, "data", "model"), (4, 2, "data", "model"),                    # EP x TP
+])
+@pytest.mark.parametrize("tokens", [5, 24])  # 5: padded to a multiple of the expert axis
+def test_all_to_all_expert_parallel_equals_the_unsharded_block(data, model, expert_axis, tensor_axis, tokens):
+    """Tokens dispatched to their experts' devices and back by all-to-all give moe_mlp's output."""
+    from types import SimpleNamespace
+
+    from jaxserve.config import MoEConfig
+    from jaxserve.model.expert_parallel import make_expert_parallel
+    from jaxserve.model.moe import moe_mlp
+
+    e, d, f = 8, 16, 12
+    rng = np.random.default_rng(tokens)
+    arrays = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((d, e), (e, d, f), (e, d, f), (e, f, d))]
+    x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.float32)
+    moe = MoEConfig(e, 2, f, True, (True,))
+    layer = lambda r, g, u, w: SimpleNamespace(router=r, we_gate=g, we_up=u, we_down=w)  # noqa: E731
+    block = make_expert_parallel(make_mesh(data, model), expert_axis, tensor_axis)
+    run = jax.jit(lambda x, *a: block(layer(*a), x, moe))
+    want = moe_mlp(layer(*arrays), x, moe)
+    np.testing.assert_allclose(np.asarray(run(x, *arrays)), np.asarray(want), rtol=1e-5, atol=1e-4)
+    text = run.lower(x, *arrays).compile().as_text()
+    assert text.count("all-to-all(") >= 3, "dispatch (rows, ids) and combine"
+
+
+@pytest.mark.parametrize("mesh_shape,layout", [((1, 4), "tp-ep"), ((2, 4), "tp-ep-data")])
+def test_engine_serves_expert_parallel_layouts_like_transformers(qwen3_moe, mesh_shape, layout):
+    """--layout tp-ep (EP=4) and tp-ep-data (EP=2 x TP=4): whole experts per device, tokens moved by
+    all-to-all; greedy generation equals transformers', nothing compiles after warm-up."""
+    path, model = qwen3_moe
+    mesh = make_mesh(*mesh_shape)
+    cfg, weights = load_model(path, mesh, rules=RULE_SETS[layout])
+    spec = weights.layers[0].we_gate.sharding.spec
+    assert spec[0] == ("model" if layout == "tp-ep" else "data")
+    core = make_core(cfg, weights, mesh=mesh, layout=layout)
+    assert core.runner._moe is not None
+    got = run_all(core, [Request(f"r{i}", p, greedy(10)) for i, p in enumerate(PROMPTS)])
+    for i, p in enumerate(PROMPTS):
+        assert got[f"r{i}"][0] == _hf_generate(model, [p], 10)[0], i
+    assert core.runner.compilations_after_warmup == 0
+
+
+def test_expert_parallel_layouts_need_experts():
+    from jaxserve.config import ModelConfig
+    from jaxserve.layouts import layout_rules
+
+    dense = ModelConfig.from_hf({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                                 "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64})
+    with pytest.raises(ValueError, match="layout 'tp-ep' splits experts, and Qwen3ForCausalLM has none"):
+        layout_rules("tp-ep", dense)
+    with pytest.raises(ValueError, match="unknown layout 'ep'"):
+        layout_rules("ep", dense)

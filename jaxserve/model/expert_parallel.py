@@ -1,0 +1,111 @@
+"""Expert parallelism with explicit token dispatch and combine: each device of the expert axis
+holds E/ep whole experts, and tokens travel to their experts' device and back by all-to-all.
+
+Inside `shard_map` over the mesh (x arrives replicated, as the attention block leaves it):
+  1. each device of the expert axis takes its 1/ep slice of the tokens and routes it (top-k);
+  2. its (token, slot) rows, sorted by expert, fill a [ep, C, D] send buffer (row block d for the
+     device owning those experts; C = t*k, room for every row to go to one device: nothing drops);
+  3. all_to_all over the expert axis: device d receives the rows every device sent it;
+  4. it runs its local experts over them as grouped matmuls (rows sorted by local expert; padding
+     rows sort last and belong to no group); with a tensor axis inside the experts (EP x TP) each
+     device holds a 1/tp column slice of every local expert, and the down projection's partial
+     sums meet in a psum over that axis;
+  5. all_to_all back, each row to the slot it came from; the k outputs mix by the routing weights;
+  6. all_gather over the expert axis: every device has every token again.
+Routing, sorting and the grouped matmuls are moe.py's, so the numbers are those of `moe_mlp`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxserve import sharding
+from jaxserve.config import ModelConfig, MoEConfig
+from jaxserve.model.moe import grouped_matmul, route
+from jaxserve.model.weights import LayerWeights, logical_dims
+
+MoEFn = Callable[[LayerWeights, jax.Array, MoEConfig], jax.Array]
+
+
+@functools.lru_cache(maxsize=None)  # one function per (model, mesh, rules): a stable jit static argument
+def make_moe(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES) -> MoEFn | None:
+    """The sparse blocks' function for a layout: explicit all-to-all dispatch when the rules put
+    whole experts on a mesh axis of more than one device (layouts "tp-ep", "tp-ep-data"); None
+    (moe.moe_mlp, partitioned by XLA) otherwise, e.g. tensor parallelism inside every expert."""
+    if cfg.moe is None:
+        return None
+    resolved = sharding.rules_for(logical_dims(cfg), mesh, rules)
+    expert_axis = resolved.get("expert")  # (rules_for drops axes of one device)
+    return None if expert_axis is None else make_expert_parallel(mesh, expert_axis, resolved.get("expert_mlp"))
+
+
+def make_expert_parallel(mesh: Mesh, expert_axis: str, tensor_axis: str | None = None) -> MoEFn:
+    """An MoE block function (moe_mlp's signature) whose experts are split over `expert_axis`
+    (we_* [E, D, F] sharded on E) and, optionally, whose expert width is split over `tensor_axis`."""
+    ep = mesh.shape[expert_axis]
+
+    def block(layer: LayerWeights, x: jax.Array, moe: MoEConfig) -> jax.Array:
+        if moe.num_experts % ep:
+            raise ValueError(f"{moe.num_experts} experts do not split over a {ep}-way expert axis")
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])                                            # [T, D]
+        pad = -x.shape[0] % ep
+        if pad:
+            x = jnp.pad(x, ((0, pad), (0, 0)))
+        col, row = P(expert_axis, None, tensor_axis), P(expert_axis, tensor_axis, None)
+        out = jax.shard_map(
+            lambda x, router, gate, up, down: _dispatch_compute_combine(x, router, gate, up, down, moe, ep,
+                                                                        expert_axis, tensor_axis),
+            mesh=mesh, in_specs=(P(), P(), col, col, row), out_specs=P(), check_vma=False,
+        )(x, layer.router, layer.we_gate, layer.we_up, layer.we_down)
+        return out[: out.shape[0] - pad].reshape(shape)
+
+    block.__name__ = f"expert_parallel_{expert_axis}" + (f"_x_{tensor_axis}" if tensor_axis else "")
+    return block
+
+
+def _dispatch_compute_combine(x: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
+                              we_down: jax.Array, moe: MoEConfig, ep: int, expert_axis: str,
+                              tensor_axis: str | None) -> jax.Array:
+    """One device's part. x [T, D] (all tokens); we_gate/we_up [E/ep, D, F/tp], we_down [E/ep, F/tp, D]."""
+    k, local = moe.top_k, moe.num_experts // ep
+    t = x.shape[0] // ep
+    me = jax.lax.axis_index(expert_axis)
+    mine = jax.lax.dynamic_slice_in_dim(x, me * t, t)                          # [t, D]
+    weights, experts = route(router, mine, moe)                                 # [t, k]
+    flat = experts.reshape(-1)                                                  # [t k]
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]                                                        # sorted expert ids
+    dest = expert // local                                                      # their devices
+    counts = jnp.bincount(dest, length=ep)
+    starts = jnp.cumsum(counts) - counts
+    slot = jnp.arange(t * k) - starts[dest]                                     # place in dest's block
+    rows = jnp.take(mine, order // k, axis=0)                                   # [t k, D]
+    c = t * k
+    send = jnp.zeros((ep, c, x.shape[1]), x.dtype).at[dest, slot].set(rows)
+    send_ids = jnp.full((ep, c), local, jnp.int32).at[dest, slot].set(expert % local)  # local: padding
+    recv = jax.lax.all_to_all(send, expert_axis, 0, 0, tiled=False)             # [ep, c, D] from each source
+    recv_ids = jax.lax.all_to_all(send_ids, expert_axis, 0, 0, tiled=False)     # [ep, c]
+
+    ids = recv_ids.reshape(-1)
+    by_expert = jnp.argsort(ids, stable=True)                                   # padding (id = local) last
+    sizes = jnp.bincount(ids, length=local + 1)[:local].astype(jnp.int32)
+    h = jnp.take(recv.reshape(-1, x.shape[1]), by_expert, axis=0)
+    gate = grouped_matmul(h, we_gate, sizes)
+    up = grouped_matmul(h, we_up, sizes)
+    y = grouped_matmul(jax.nn.silu(gate) * up, we_down, sizes)                  # [ep c, D] (partial over tp)
+    if tensor_axis is not None:
+        y = jax.lax.psum(y, tensor_axis)
+    y = jnp.zeros_like(y).at[by_expert].set(y).reshape(ep, c, -1)               # back to arrival order
+    back = jax.lax.all_to_all(y, expert_axis, 0, 0, tiled=False)                # [ep, c, D] per dest
+    done = back[dest, slot]                                                     # [t k, D], sorted order
+    out = jnp.zeros_like(done).at[order].set(done).reshape(t, k, -1)            # (token, slot) order
+    mixed = jnp.einsum("tkd,tk->td", out.astype(jnp.float32), weights).astype(x.dtype)
+    return jax.lax.all_gather(mixed, expert_axis, axis=0, tiled=True)           # [T, D]
+
