@@ -8,6 +8,7 @@ never holds more than its shard of the weights plus one tensor in flight.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from pathlib import Path
@@ -72,12 +73,16 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+logger = logging.getLogger("jaxserve.checkpoints")
+
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "BF16": ml_dtypes.bfloat16,
+               "F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "U8": np.uint8,
+               "I16": np.int16, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_}
 
 
-def _read_raw(file: Path, name: str) -> np.ndarray:
-    """A tensor whose dtype safetensors' numpy reader lacks (float8), read from the file's header
-    (8-byte little-endian length, JSON of dtype/shape/offsets) and a memory map."""
+def _memmap(file: Path, name: str) -> np.ndarray:
+    """One tensor as a read-only memory map, from the file's header (8-byte little-endian length,
+    JSON of dtype/shape/offsets): nothing is read until an element is."""
     with open(file, "rb") as fh:
         n = int.from_bytes(fh.read(8), "little")
         entry = json.loads(fh.read(n))[name]
@@ -85,18 +90,21 @@ def _read_raw(file: Path, name: str) -> np.ndarray:
         raise ValueError(f"tensor {name!r} in {file.name} has unsupported dtype {entry['dtype']}")
     start, end = entry["data_offsets"]
     data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + n + start, shape=(end - start,))
-    return np.array(data).view(_RAW_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    return data.view(_RAW_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+def _iter_tensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+    """(name, read) per tensor; lazy: read returns a memory map (see _memmap)."""
     for file in files:
         with safe_open(str(file), framework="numpy") as f:
             for name in f.keys():
                 def read(f=f, name=name, file=file) -> np.ndarray:
+                    if lazy:
+                        return _memmap(file, name)
                     try:
                         return f.get_tensor(name)
                     except (AttributeError, TypeError, ValueError):  # numpy has no float8
-                        return _read_raw(file, name)
+                        return np.array(_memmap(file, name))
                 yield name, read
 
 
@@ -171,18 +179,13 @@ def _moe_tensors(cfg: ModelConfig, prefix: str, i: int) -> dict[str, tuple[tuple
 
 def _name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Callable[[np.ndarray], np.ndarray]]]:
     """HF tensor name -> (path into Weights, transform from the stored array)."""
-    vp = W.padded_vocab(cfg)
     ident = lambda t: t  # noqa: E731
-
-    def pad_rows(t: np.ndarray) -> np.ndarray:
-        return np.pad(t, ((0, vp - t.shape[0]), (0, 0)))
-
-    table: dict[str, tuple[tuple[Any, ...], Callable]] = {
-        "model.embed_tokens.weight": (("embed",), pad_rows),
+    table: dict[str, tuple[tuple[Any, ...], Callable]] = {  # the vocabulary is padded as placed (_VOCAB_AXIS)
+        "model.embed_tokens.weight": (("embed",), ident),
         "model.norm.weight": (("final_norm",), ident),
     }
     if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = (("lm_head",), lambda t: pad_rows(t).T)
+        table["lm_head.weight"] = (("lm_head",), lambda t: t.T)
     layer = layer_tensors(cfg)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -195,6 +198,52 @@ def _name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Callable[[
         for suffix, (field, fn) in layer.items():
             table[p + suffix] = (("layers", i, field), fn)
     return table
+
+
+# leaves whose vocabulary axis is stored with vocab_size rows and placed padded to padded_vocab (zeros)
+_VOCAB_AXIS = {("embed",): 0, ("lm_head",): 1}
+
+
+def _stored_shape(path: tuple[Any, ...], shape: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...]:
+    axis = _VOCAB_AXIS.get(path)
+    return shape if axis is None else shape[:axis] + (cfg.vocab_size,) + shape[axis + 1:]
+
+
+def _zero_padded(part: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """`part` with zeros appended on each axis up to `shape`."""
+    if part.shape == tuple(shape):
+        return part
+    return np.pad(part, [(0, want - have) for want, have in zip(shape, part.shape)])
+
+
+class SliceReads:
+    """Places host tensors (memory maps) by reading, for each of this process's devices, only its
+    slice; counts the distinct bytes read."""
+
+    def __init__(self) -> None:
+        self.read = 0
+        self.total = 0
+        self._seen: set[tuple[int, tuple[tuple[int, int], ...]]] = set()  # (tensor, slice) read
+        self._tensors = 0
+
+    def place(self, host: np.ndarray, shape: tuple[int, ...], placement: Any, dtype: Any) -> jax.Array:
+        """host: shorter than `shape` only on a padded vocabulary axis (its rows past the stored ones
+        are zeros); placement: the leaf's sharding."""
+        self.total += host.nbytes
+        self._tensors += 1
+        tensor = self._tensors
+
+        def read(index: tuple[slice, ...]) -> np.ndarray:
+            bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
+            stored = tuple(slice(min(a, m), min(b, m)) for (a, b), m in zip(bounds, host.shape))
+            part = np.asarray(host[stored])
+            key = (tensor, tuple((s.start, s.stop) for s in stored))
+            if key not in self._seen:
+                self._seen.add(key)
+                self.read += part.nbytes
+            return _zero_padded(part.astype(dtype), tuple(b - a for a, b in bounds))
+
+        return jax.make_array_from_callback(shape, placement, read)
 
 
 def _get(tree: Any, path: tuple[Any, ...]) -> Any:
@@ -212,13 +261,20 @@ def _set(tree: W.Weights, path: tuple[Any, ...], value: Any) -> W.Weights:
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any = jnp.float32,
-                 rules: Rules = DEFAULT_RULES) -> W.Weights:
+                 rules: Rules = DEFAULT_RULES, slices: SliceReads | None = None) -> W.Weights:
     """Reads every tensor of the checkpoint onto its sharding; errors name the offending tensor.
 
     Quantized leaves are filled on the host before placement: by quantizing the full-precision
     tensor (online schemes), or by unpacking a pre-quantized Linear's tensors once all of them
-    have been read (checkpoints/quantized.py)."""
+    have been read (checkpoints/quantized.py).
+
+    slices: read each plain tensor through a memory map, only the slices this process's devices
+    hold (the default when several processes share the mesh: multi-host, where each host reads
+    its own shards); the count of bytes read is left in it. Quantized and expert tensors are
+    read whole."""
     model_dir = Path(model_dir)
+    if slices is None and jax.process_count() > 1:
+        slices = SliceReads()
     spec_tree = W.abstract(cfg, dtype)
     sharding_tree = W.shardings(spec_tree, cfg, mesh, rules)
     table = _name_table(cfg)
@@ -236,7 +292,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
     experts: dict[tuple[Any, ...], dict[int, np.ndarray]] = {}  # MoE leaves still missing experts
     seen: set[str] = set()      # table entries placed
     received: set[str] = set()  # every tensor name read
-    for name, read in _iter_tensors(_safetensors_files(model_dir)):
+    for name, read in _iter_tensors(_safetensors_files(model_dir), lazy=slices is not None):
         if name in received:
             raise ValueError(f"tensor {name!r} appears in more than one safetensors file")
         received.add(name)
@@ -275,12 +331,16 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
         shape = shape[1:] if expert is not None else shape
         raw = read()
         try:
-            host = np.ascontiguousarray(transform(raw))
+            host = transform(raw)
         except ValueError as e:
             raise ValueError(f"tensor {name!r} has shape {raw.shape}, which does not fit the config: {e}") from e
-        if host.shape != shape:
+        if host.shape != _stored_shape(path, shape, cfg):
             raise ValueError(f"tensor {name!r} has shape {tuple(raw.shape)} (as {host.shape} after layout), "
-                             f"expected {shape} from config.json")
+                             f"expected {_stored_shape(path, shape, cfg)} from config.json")
+        if slices is not None and expert is None and not online:
+            out = _set(out, path, slices.place(host, spec.shape, _get(sharding_tree, path), jnp.dtype(dtype)))
+            continue
+        host = _zero_padded(np.ascontiguousarray(host), shape)
         if expert is not None:
             stack = experts.setdefault(path, {})
             stack[expert] = host.astype(jnp.dtype(dtype))
@@ -301,4 +361,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
     if missing:
         raise ValueError(f"checkpoint in {model_dir} is missing tensors: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
+    if slices is not None:
+        logger.info("read %.1f MiB of the %.1f MiB of unquantized tensors: the slices of this process's devices",
+                    slices.read / 2**20, slices.total / 2**20)
     return out

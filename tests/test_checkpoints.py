@@ -121,3 +121,27 @@ def test_sharded_safetensors_index(hf_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="b.safetensors"):
         load_model(d, make_mesh(1, 1))
     assert cfg.family == "qwen2"
+
+
+@pytest.mark.parametrize("variant", ["llama2-mha-untied", "qwen3-qknorm"])
+def test_reading_only_each_devices_slices_places_the_same_weights(variant, tmp_path):
+    """Multi-host loading (checkpoints.hf.SliceReads): each tensor read through a memory map, one
+    slice per device, the padded vocabulary filled with zeros, equals reading every tensor whole."""
+    import jax
+    import numpy as np
+
+    from checkpoints.hf import SliceReads, load_weights
+    from jaxserve.config import ModelConfig
+    from jaxserve.sharding import make_mesh
+
+    path, _ = make_hf_model(variant, tmp_path)
+    cfg = ModelConfig.from_hf(path)
+    assert cfg.padded_vocab_size > cfg.vocab_size  # the zero rows come from the placement
+    mesh = make_mesh(1, 4)
+    whole = load_weights(path, cfg, mesh)
+    slices = SliceReads()
+    sliced = load_weights(path, cfg, mesh, slices=slices)
+    for (where, a), b in zip(jax.tree_util.tree_leaves_with_path(whole), jax.tree.leaves(sliced)):
+        assert a.sharding == b.sharding, where
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(where))
+    assert slices.read == slices.total > 0  # one process holds every device: it reads everything once

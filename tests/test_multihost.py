@@ -5,6 +5,7 @@ and a rank that dies or stalls makes the others exit non-zero within 30 s, namin
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -111,6 +112,10 @@ def test_two_processes_serve_one_tp8_model_like_one_process_and_a_dead_follower_
     try:
         cluster.wait_ready()
         assert "4 local of 8 devices" in cluster.log(1)
+        for rank in (0, 1):  # each host reads its own shards: half of every TP-split tensor
+            read, total = map(float, re.search(r"read ([\d.]+) MiB of the ([\d.]+) MiB of unquantized tensors",
+                                               cluster.log(rank)).groups())
+            assert 0.4 * total < read < 0.6 * total, (rank, read, total)
         served = _completions(cluster.url)
         assert served == _one_process_completions()
         assert all(served), served
