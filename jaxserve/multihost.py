@@ -126,6 +126,40 @@ def _heartbeat(send: Callable[[tuple], None], stopped: threading.Event) -> None:
             return  # the watcher on this connection reports it
 
 
+def _accept(address: tuple[str, int], count: int) -> dict[int, Connection]:
+    """rank -> connection of `count` followers, each introduced by ("hello", rank); RuntimeError
+    naming the missing ranks after CONNECT_TIMEOUT."""
+    arrived: queue.Queue[tuple[int, Connection]] = queue.Queue()
+    listener = Listener(address, authkey=_authkey())
+
+    def accept() -> None:  # a thread: Listener.accept has no timeout
+        while True:
+            try:
+                conn = listener.accept()
+                kind, rank = conn.recv()
+            except (OSError, EOFError):
+                return  # the listener closed
+            if kind == "hello":
+                arrived.put((rank, conn))
+
+    threading.Thread(target=accept, name="jaxserve-accept", daemon=True).start()
+    logger.info("multi-host: waiting for %d follower(s) on port %d", count, address[1])
+    conns: dict[int, Connection] = {}
+    deadline = time.monotonic() + CONNECT_TIMEOUT
+    try:
+        while len(conns) < count:
+            try:
+                rank, conn = arrived.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(1, count + 1)) - set(conns))
+                raise RuntimeError(f"multi-host: rank(s) {missing} did not connect within "
+                                   f"{CONNECT_TIMEOUT:.0f}s") from None
+            conns[rank] = conn
+    finally:
+        listener.close()
+    return conns
+
+
 class Followers:
     """The leader's end: a connection per follower, a heartbeat to each, a watcher on each."""
 
@@ -133,23 +167,8 @@ class Followers:
         host, port = mh.step_address()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self.conns: dict[int, Connection] = {}
-        with Listener(("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, port),
-                      authkey=_authkey()) as listener:
-            listener._listener._socket.settimeout(CONNECT_TIMEOUT)  # accept() would wait forever
-            logger.info("multi-host: waiting for %d follower(s) on port %d", mh.num_hosts - 1, port)
-            deadline = time.monotonic() + CONNECT_TIMEOUT
-            while len(self.conns) < mh.num_hosts - 1:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(1, mh.num_hosts)) - set(self.conns))
-                    raise RuntimeError(f"multi-host: rank(s) {missing} did not connect within {CONNECT_TIMEOUT:.0f}s")
-                try:
-                    conn = listener.accept()
-                except TimeoutError:
-                    continue
-                kind, rank = conn.recv()
-                assert kind == "hello", kind
-                self.conns[rank] = conn
+        self.conns = _accept(("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, port),
+                             mh.num_hosts - 1)
         for rank, conn in self.conns.items():
             threading.Thread(target=_watch, args=(conn, f"rank {rank}", mh.stall_timeout, self._unexpected,
                                                   self._stopped),

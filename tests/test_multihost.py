@@ -74,7 +74,15 @@ class Cluster:
             pytest.fail(f"rank {rank} still runs {seconds}s after its peer went:\n{self.log(rank)[-3000:]}")
         return code, time.monotonic() - t0
 
-    def close(self) -> None:
+    def __enter__(self) -> "Cluster":
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
@@ -108,9 +116,7 @@ def _one_process_completions() -> list[str]:
 
 
 def test_two_processes_serve_one_tp8_model_like_one_process_and_a_dead_follower_stops_the_leader(tmp_path):
-    cluster = Cluster(tmp_path)
-    try:
-        cluster.wait_ready()
+    with Cluster(tmp_path) as cluster:
         assert "4 local of 8 devices" in cluster.log(1)
         for rank in (0, 1):  # each host reads its own shards: half of every TP-split tensor
             read, total = map(float, re.search(r"read ([\d.]+) MiB of the ([\d.]+) MiB of unquantized tensors",
@@ -120,50 +126,30 @@ def test_two_processes_serve_one_tp8_model_like_one_process_and_a_dead_follower_
         assert served == _one_process_completions()
         assert all(served), served
         cluster.procs[1].send_signal(signal.SIGKILL)
-        code, seconds = cluster.exit_within(0, 30)
+        code, _ = cluster.exit_within(0, 30)
         assert code != 0
         assert "rank 1 closed its connection" in cluster.log(0)
-    finally:
-        cluster.close()
 
 
-def test_a_dead_leader_stops_the_follower(tmp_path):
-    cluster = Cluster(tmp_path)
-    try:
-        cluster.wait_ready()
-        cluster.procs[0].send_signal(signal.SIGKILL)
-        code, _ = cluster.exit_within(1, 30)
-        assert code != 0
-        assert "rank 0 (the leader) closed its connection" in cluster.log(1)
-    finally:
-        cluster.close()
-
-
-def test_a_stalled_follower_stops_the_leader(tmp_path):
-    """SIGSTOP: the follower's connection stays open but says nothing."""
-    cluster = Cluster(tmp_path, stall_timeout=5.0)
-    try:
-        cluster.wait_ready()
-        cluster.procs[1].send_signal(signal.SIGSTOP)
-        code, seconds = cluster.exit_within(0, 30)
-        assert code != 0 and seconds >= 4.0
-        assert "rank 1 sent nothing (not even a heartbeat) for 5s" in cluster.log(0)
-    finally:
-        cluster.procs[1].send_signal(signal.SIGCONT)
-        cluster.close()
+@pytest.mark.parametrize("victim,sig,message", [
+    (0, signal.SIGKILL, "rank 0 (the leader) closed its connection"),
+    (1, signal.SIGSTOP, "rank 1 sent nothing (not even a heartbeat) for 5s"),  # alive, connected, silent
+])
+def test_a_dead_or_stalled_rank_stops_the_other(tmp_path, victim, sig, message):
+    with Cluster(tmp_path, stall_timeout=5.0) as cluster:
+        cluster.procs[victim].send_signal(sig)
+        code, seconds = cluster.exit_within(1 - victim, 30)
+        assert code != 0 and message in cluster.log(1 - victim)
+        assert seconds >= 4.0 or sig == signal.SIGKILL
 
 
 def test_a_leader_stopped_by_sigterm_stops_its_followers_cleanly(tmp_path):
     """SIGTERM on rank 0 drains, then tells the followers to stop: every rank exits 0."""
-    cluster = Cluster(tmp_path)
-    try:
-        cluster.wait_ready()
+    with Cluster(tmp_path) as cluster:
         cluster.procs[0].send_signal(signal.SIGTERM)
         assert cluster.exit_within(0, 30)[0] == 0
         assert cluster.exit_within(1, 30)[0] == 0
         assert "the leader stopped after" in cluster.log(1)
-    finally:
-        cluster.close()
 
 
 @pytest.mark.parametrize("kwargs,message", [
