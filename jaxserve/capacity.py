@@ -48,6 +48,8 @@ GPU_LARGE_MEMORY = 70 * GIB        # vLLM gives H100/H200-class cards a larger s
 # busy or throttled host still meets the step time. A fixed figure per ISA keeps the defaults, and
 # so the compiled programs and their cache keys, the same at every start.
 CPU_FLOPS_PER_CORE = {"avx512": 100e9, "avx2": 50e9, "other": 20e9}
+ACCELERATOR_FLOPS = 100e12         # a nominal TPU/GPU rate for the swap-or-recompute estimate
+HOST_COPY_BYTES_PER_S = {"cpu": 10e9, "gpu": 25e9, "tpu": 25e9}  # RAM memcpy; PCIe / host link
 CPU_STEP_SECONDS = 1.0             # target time of a step full of prefill tokens on a CPU (see BENCHMARKS)
 CPU_MIN_BATCHED_TOKENS = 1024      # with 256 sequences decoding, 3/4 of a step still prefills
 CPU_MAX_BATCHED_TOKENS = 2048
@@ -70,6 +72,14 @@ class MachineInfo:
     memory_in_use: int = 0        # bytes already taken on a device (weights included); 0 on CPU
     cpu_cores: int = 1
     cpu_isa: str = "other"        # "avx512" | "avx2" | "other": the nominal per-core rate (CPU_FLOPS_PER_CORE)
+
+
+def swap_costs(machine: MachineInfo, weight_bytes: int, weight_itemsize: int, page_bytes: int) -> tuple[float, float]:
+    """(seconds to prefill one token again, seconds to move one KV page to host memory and back):
+    2 FLOPs per weight per token at the machine's nominal rate, 2 page copies at its host link's."""
+    flops = (machine.cpu_cores * CPU_FLOPS_PER_CORE[machine.cpu_isa] if machine.platform == "cpu"
+             else ACCELERATOR_FLOPS)
+    return 2 * weight_bytes / weight_itemsize / flops, 2 * page_bytes / HOST_COPY_BYTES_PER_S[machine.platform]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,6 +70,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     _size_args(g)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share KV pages of identical prompt prefixes between requests")
+    g.add_argument("--kv-offload-gib", type=_positive_float, default=None, help="a host-memory KV tier of this "
+                   "many GiB: cached pages evicted from the device move there and come back on a prefix hit, and a "
+                   "preempted sequence's pages come back instead of being recomputed (needs prefix caching; "
+                   "default: off)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="plan and dispatch step n+1 before step n's tokens are fetched")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="shorthand for --mesh 1xN "
@@ -164,6 +168,7 @@ def _engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  
         model_id=model_id, **_size_fields(args), enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
         dtype=None if args.dtype == "auto" else args.dtype, quantization=args.quantization, mesh_shape=mesh, layout=args.layout,
+        kv_offload_gib=args.kv_offload_gib,
         attention_backend=args.attention_backend, compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,
         seed=args.seed, speculative_config=args.speculative_config, enable_lora=args.enable_lora,
         lora_modules=tuple(args.lora_modules), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,

@@ -293,6 +293,7 @@ class EngineConfig:
     dtype: str | None = None                 # None: float32 on CPU, the checkpoint's dtype elsewhere
     quantization: str | None = None          # online weight quantization: "int8" | "int4" | "fp8" (quant/scheme.py)
     kv_cache_dtype: str = "auto"             # KV pages: "auto" (compute dtype) | "int8" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
+    kv_offload_gib: float | None = None      # host-memory KV tier (GiB): evicted cached pages kept there (page_allocator.py)
     mesh_shape: tuple[int, int] = (1, 1)     # (data, model)
     layout: str = "tp"                       # logical-axis rules (layouts.RULE_SETS): how the mesh splits the model
     attention_backend: str = "auto"          # "auto" | "reference" | "tpu" | "gpu"
@@ -328,6 +329,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.kv_offload_gib is not None and not self.kv_offload_gib > 0:
+            raise ValueError(f"--kv-offload-gib must be > 0, got {self.kv_offload_gib}")
         if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
             raise ValueError(f"EngineConfig.memory_utilization must be in (0, 1], got {self.memory_utilization}")
         kv_quant.check_name(self.kv_cache_dtype)

@@ -90,8 +90,9 @@ class EngineCore:
         self.runner = ModelRunner(model_cfg, weights, engine_cfg, mesh, dtype, draft)
         self.engine_cfg = engine_cfg = self.runner.engine_cfg  # every size resolved
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
-                                       engine_cfg.enable_prefix_caching)
+                                       engine_cfg.enable_prefix_caching, self.runner.num_host_pages)
         self.scheduler = Scheduler(engine_cfg, self.allocator)
+        self.scheduler.swap_costs = self.runner.swap_costs
         self._rng = random.Random(engine_cfg.seed)
         self.timings = StepTimings()
         self.num_prefill_tokens = 0   # prompt tokens computed (prefix-cache hits excluded)
@@ -240,6 +241,8 @@ class EngineCore:
         if self._lora_unloads:
             self._apply_lora_unloads()
         plan = self.scheduler.schedule()
+        if plan.demotions or plan.promotions:  # host KV tier: before anything reads the pages
+            self.runner.move_pages(plan.demotions, plan.promotions)
         if self.runner.proposer is not None and plan.has_drafts:
             self.scheduler.set_drafts(plan, self.runner.propose(plan, self._last_plan))
         self.timings.schedule += time.perf_counter() - t0

@@ -27,9 +27,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve import kv_cache, sharding
-from jaxserve.capacity import plan_capacity
+from jaxserve.capacity import plan_capacity, swap_costs
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.machine import machine_info
+from jaxserve.host_tier import HostTier
 from jaxserve.layouts import layout_rules
 from jaxserve.model.attention import make_attention
 from jaxserve.model.expert_parallel import make_moe
@@ -44,7 +45,7 @@ from jaxserve.sampler import SamplerOutput, SamplingTensors, bitmask_words
 from jaxserve.draft_runner import DraftRunner, check_compatible
 from jaxserve.eagle_runner import EagleRunner
 from jaxserve.model.eagle3 import Eagle3Config
-from jaxserve.scheduler import StepPlan
+from jaxserve.scheduler import StepPlan, SwapCosts
 from jaxserve.step_inputs import StepArrays, StepInputBuilder, StepInputs, row_that_sampled, sampler_spans
 
 logger = logging.getLogger("jaxserve.model_runner")
@@ -121,6 +122,17 @@ class ModelRunner:
         self.kv = kv_cache.allocate(model_cfg, num_pages, engine_cfg.page_size, kv_dtype(engine_cfg, self.dtype), mesh,
                                    rules)
         self.num_pages = num_pages
+        self._replicated = sharding.replicated(mesh)
+        self.host_tier = HostTier(self.kv, self._put) if engine_cfg.kv_offload_gib else None
+        page_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.kv)) // num_pages  # all devices' shards
+        self.num_host_pages = int(engine_cfg.kv_offload_gib * 2**30 // page_bytes) if self.host_tier else 0
+        self.swap_costs = None
+        if self.host_tier is not None:
+            self.swap_costs = SwapCosts(*swap_costs(machine, sum(l.nbytes for l in jax.tree.leaves(weights)),
+                                                    self.dtype.itemsize, page_bytes))
+            logger.info("KV host tier: %d pages x %d tokens = %d tokens in %.2f GiB of host memory (%s)",
+                        self.num_host_pages, engine_cfg.page_size, self.num_host_pages * engine_cfg.page_size,
+                        engine_cfg.kv_offload_gib, self.host_tier.memory)
         self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size, eagle=eagle is not None)
         self._replicated = sharding.replicated(mesh)
         self._attention = make_attention(engine_cfg.attention_backend, model_cfg, mesh, rules)
@@ -161,6 +173,17 @@ class ModelRunner:
             self.draft.fill(inputs.arrays, self._prev_ids)
         self._count_compilations(before, inputs)
         return logits
+
+    def move_pages(self, demotions: list[tuple[int, int]], promotions: list[tuple[int, int]]) -> None:
+        """The host KV tier's moves for the step planned next (demotions first: page_allocator.py)."""
+        if self.followers is not None:
+            self.followers.send(("move", demotions, promotions))
+        before = CompileCounter.count()
+        if demotions:
+            self.host_tier.demote(self.kv, np.asarray(demotions, np.int32).reshape(-1, 2))
+        if promotions:
+            self.kv = self.host_tier.promote(self.kv, np.asarray(promotions, np.int32).reshape(-1, 2))
+        self._count_compilations(before, what=f"{len(demotions)} demotions, {len(promotions)} promotions")
 
     def _copy_pages(self, copies: np.ndarray) -> None:
         if len(copies):
@@ -319,6 +342,8 @@ class ModelRunner:
                         self.eagle.warm_propose())
         if self.lora is not None:
             self.lora.warmup()
+        if self.host_tier is not None:
+            self.kv = self.host_tier.warmup(self.kv)
         self.warmed_up = True
         seconds = time.perf_counter() - start
         logger.info("warm-up compiled %d programs in %.1fs", len(programs), seconds)

@@ -236,6 +236,8 @@ def follow(runner: Any, messages: "queue.Queue[Any]") -> int:
         if op == "forward":
             inputs = message[1]
             logits = runner.forward(inputs)
+        elif op == "move":
+            runner.move_pages(message[1], message[2])
         elif op == "sample":
             runner.sample(logits, inputs, message[1])
             steps += 1

@@ -14,6 +14,18 @@ The key of page i of a sequence is sha256(key of page i-1 || token ids of page i
 the page before the first is derived from the namespace (model id + per-tenant salt). Equal keys
 therefore mean equal namespace and equal tokens at every earlier position, so different salts never
 share a page.
+
+Host tier (`num_host_pages` > 0, --kv-offload-gib): a cached page evicted from the device is
+demoted, not forgotten: its key moves to a host page (least recently demoted host pages are
+dropped first), and a prefix match continues into the host tier. A host hit taken by `open` is
+promoted into a fresh device page. Both are recorded as transfers, drained once per step
+(`drain_transfers`) and done by the device before the step, in this order: demotions (device ->
+host: they read device pages before the step rewrites them), then promotions (host -> device),
+then the copy-on-write copies. A host page promoted in a step is not reused until the next drain,
+so no demotion of the same step overwrites it before its promotion has read it. A preempted
+sequence's committed pages are cached like any other: with a host tier its resumption promotes
+them back instead of recomputing (swap), unless the scheduler drops them (`forget`).
+Host states: free, cached (in the host LRU), reserved (promoted this step).
 """
 
 from __future__ import annotations
@@ -47,8 +59,22 @@ def page_key(parent: bytes, tokens: Seq[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
+def host_page(index: int) -> int:
+    """How `match_prefix` lists a hit in the host tier: negative, so device pages stay >= 0."""
+    return -1 - index
+
+
+@dataclasses.dataclass
+class Transfers:
+    """A step's page moves between the tiers, in the order the device must do them."""
+
+    demotions: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (device page, host page)
+    promotions: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host page, device page)
+
+
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 num_host_pages: int = 0) -> None:
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
         if not isinstance(page_size, int) or page_size <= 0:
@@ -66,6 +92,17 @@ class PageAllocator:
         self._seq_keys: dict[str, list[bytes]] = {}
         self._seq_root: dict[str, bytes] = {}
         self.stats = PrefixCacheStats()
+        # host tier
+        self.num_host_pages = num_host_pages if enable_prefix_caching else 0
+        self._host_free: collections.deque[int] = collections.deque(range(self.num_host_pages))
+        self._host_key: dict[int, bytes] = {}
+        self._host_cached: dict[bytes, int] = {}
+        self._host_lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
+        self._host_reserved: list[int] = []
+        self._transfers = Transfers()
+        self.num_demotions = 0
+        self.num_promotions = 0
+        self.host_hit_tokens = 0  # prompt tokens whose pages came back from the host tier
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -81,10 +118,15 @@ class PageAllocator:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    @property
+    def num_host_pages_used(self) -> int:
+        return len(self._host_lru) + len(self._host_reserved)
+
     def can_allocate(self, num_new_pages: int, holding: Seq[int] = ()) -> bool:
         """Whether `num_new_pages` fresh pages fit after taking references on `holding` (pages from
-        `match_prefix`; the evictable ones among them stop being allocatable once held)."""
-        taken = sum(1 for p in holding if self._ref[p] == 0)
+        `match_prefix`; the evictable ones among them stop being allocatable once held, and each
+        host hit needs a device page to come back into)."""
+        taken = sum(1 for p in holding if p < 0 or self._ref[p] == 0)
         return num_new_pages <= self.num_free_pages - taken
 
     def has_sequence(self, seq_id: str) -> bool:
@@ -103,7 +145,8 @@ class PageAllocator:
         """Longest run of cached full pages that prefixes `token_ids` in `namespace`.
 
         Never covers the last token: it must be computed so the step has logits to sample from.
-        Pure lookup: takes no references and counts nothing (see `open`).
+        Pure lookup: takes no references and counts nothing (see `open`). A page found only in the
+        host tier is listed as `host_page(index)` (negative).
         """
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return [], 0
@@ -114,7 +157,10 @@ class PageAllocator:
             key = page_key(key, token_ids[i * ps:(i + 1) * ps])
             page = self._cached.get(key)
             if page is None:
-                break
+                host = self._host_cached.get(key)
+                if host is None:
+                    break
+                page = host_page(host)
             pages.append(page)
         return pages, len(pages) * ps
 
@@ -126,13 +172,28 @@ class PageAllocator:
         records the prefix-cache lookup of `num_query_tokens` prompt tokens."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has a page table")
-        keys = []
         for page in cached_pages:
-            if page not in self._page_key:
-                raise ValueError(f"page {page} is not a cached page")
-            keys.append(self._page_key[page])
-            self._take(page)
-        self._tables[seq_id] = list(cached_pages)
+            if page >= 0 and page not in self._page_key or page < 0 and -1 - page not in self._host_key:
+                raise ValueError(f"{'host ' if page < 0 else ''}page {page if page >= 0 else -1 - page} is not "
+                                 "a cached page")
+        table = list(cached_pages)
+        for page in table:  # device hits first: a promotion's fresh page must not evict one of them
+            if page >= 0:
+                self._take(page)
+        for i, page in enumerate(table):
+            if page < 0:  # a host hit: back into a fresh device page before the step
+                host = -1 - page
+                key = self._host_key.pop(host)
+                del self._host_cached[key], self._host_lru[host]
+                self._host_reserved.append(host)
+                table[i] = self._pop_fresh()
+                self._cached[key] = table[i]
+                self._page_key[table[i]] = key
+                self._transfers.promotions.append((host, table[i]))
+                self.num_promotions += 1
+                self.host_hit_tokens += self.page_size
+        keys = [self._page_key[page] for page in table]
+        self._tables[seq_id] = table
         self._seq_keys[seq_id] = keys
         self._seq_root[seq_id] = namespace_key(namespace)
         if num_query_tokens:
@@ -215,13 +276,34 @@ class PageAllocator:
                     self._free.append(page)
 
     def reset_prefix_cache(self) -> int:
-        """Forgets every evictable cached page (held pages keep their keys). Returns pages freed."""
+        """Forgets every evictable cached page (held pages keep their keys) and the host tier.
+        Returns device pages freed."""
         n = len(self._evictable)
         while self._evictable:
             page, _ = self._evictable.popitem(last=False)
             self._unkey(page)
             self._free.append(page)
+        while self._host_lru:
+            host, _ = self._host_lru.popitem(last=False)
+            del self._host_cached[self._host_key.pop(host)]
+            self._host_free.append(host)
         return n
+
+    def forget(self, seq_id: str) -> None:
+        """Drops the keys of `seq_id`'s pages that nobody else holds, then frees it: its K/V will
+        be recomputed, not kept for a prefix hit (a preemption that chose recompute over swap)."""
+        for page in self._tables[seq_id]:
+            if self._ref[page] == 1 and page in self._page_key:
+                self._unkey(page)
+        self.free(seq_id)
+
+    def drain_transfers(self) -> Transfers:
+        """The demotions and promotions since the last drain (the device does them before the
+        step that was planned meanwhile); host pages promoted since become free again."""
+        out, self._transfers = self._transfers, Transfers()
+        self._host_free.extend(self._host_reserved)
+        self._host_reserved = []
+        return out
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -235,9 +317,29 @@ class PageAllocator:
             page = self._free.popleft()
         else:
             page, _ = self._evictable.popitem(last=False)  # evict the least recently released
+            key = self._page_key[page]
             self._unkey(page)
+            if self.num_host_pages:
+                self._demote(page, key)
         self._ref[page] = 1
         return page
+
+    def _demote(self, page: int, key: bytes) -> None:
+        """Keeps an evicted device page's K/V in the host tier under its key."""
+        if key in self._host_cached:
+            return
+        if self._host_free:
+            host = self._host_free.popleft()
+        elif self._host_lru:
+            host, _ = self._host_lru.popitem(last=False)  # drop the least recently demoted
+            del self._host_cached[self._host_key.pop(host)]
+        else:
+            return  # every host page is being promoted this step
+        self._host_key[host] = key
+        self._host_cached[key] = host
+        self._host_lru[host] = None
+        self._transfers.demotions.append((page, host))
+        self.num_demotions += 1
 
     def _unkey(self, page: int) -> None:
         key = self._page_key.pop(page)
@@ -274,6 +376,15 @@ class PageAllocator:
             for seq_id, other_idx in where[1:]:
                 assert other_idx == idx and prefix_of[seq_id][:idx] == prefix_of[first_seq][:idx], (
                     f"page {page} shared by {first_seq} and {seq_id} not as a common prefix")
+        host_free, reserved = set(self._host_free), set(self._host_reserved)
+        assert len(host_free) == len(self._host_free) and len(reserved) == len(self._host_reserved)
+        for host in range(self.num_host_pages):
+            states = [host in host_free, host in self._host_lru, host in reserved]
+            assert sum(states) == 1, f"host page {host} is in {sum(states)} states (free, cached, reserved)"
+            assert (host in self._host_key) == (host in self._host_lru), f"host page {host}: key vs LRU"
+        for key, host in self._host_cached.items():
+            assert self._host_key.get(host) == key, f"host cache entry for page {host} disagrees"
+        assert len(self._host_cached) == len(self._host_key)
         for seq_id, keys in self._seq_keys.items():
             assert len(keys) <= len(self._tables[seq_id]), f"{seq_id} has keys past its table"
             for key, page in zip(keys, self._tables[seq_id]):

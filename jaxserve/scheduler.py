@@ -103,6 +103,9 @@ class StepPlan:
     # (src_page, dst_page) copies done before the step; they read the pages as they were before the
     # step, and no page is a destination twice.
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # host KV tier (page_allocator.py): done before the copies, demotions first
+    demotions: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (device page, host slot)
+    promotions: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host slot, device page)
     preempted: list[str] = dataclasses.field(default_factory=list)        # seq ids sent back to waiting
     finished: list[TokenEvent] = dataclasses.field(default_factory=list)  # finishes without a step (abort)
     # multi-LoRA: (slot, adapter name) to load into the device slots before the step runs
@@ -133,6 +136,22 @@ class SchedulerStats:
     lora_running: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter -> running sequences
     lora_waiting: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter -> waiting sequences
     lora_slot_loads: int = 0    # adapters loaded into a device slot
+    # host KV tier
+    num_host_pages: int = 0
+    num_host_pages_used: int = 0
+    host_hit_tokens: int = 0    # prompt tokens whose pages came back from the host tier (swap-ins included)
+    num_demotions: int = 0      # pages moved device -> host
+    num_promotions: int = 0     # pages moved host -> device
+    num_swap_preemptions: int = 0  # preemptions that kept the pages (swap) rather than recompute them
+    num_swapped_in_pages: int = 0  # pages a resumed preempted sequence got back from the host tier
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapCosts:
+    """What the scheduler weighs when it preempts with a host KV tier (the runner estimates them)."""
+
+    recompute_seconds_per_token: float  # prefill of one token again
+    move_seconds_per_page: float        # one page out to host memory and back
 
 
 @dataclasses.dataclass
@@ -177,6 +196,9 @@ class Scheduler:
         self._waiting: list[list[Sequence]] = []  # admission units; [leader, pending siblings] or [seq]
         self._running: list[Sequence] = []
         self._num_preemptions = 0
+        self._num_swap_preemptions = 0
+        self._num_swapped_in_pages = 0
+        self.swap_costs: SwapCosts | None = None  # set by the engine when there is a host KV tier
         self.num_discarded_tokens = 0  # sampled after their sequence had finished (async scheduling)
         self._outstanding = 0  # plans with chunks scheduled and not yet updated
         spec = getattr(cfg, "speculative_config", None)
@@ -253,7 +275,11 @@ class Scheduler:
             num_free_pages=self.allocator.num_free_pages, num_total_pages=self.allocator.num_pages,
             prefix_cache_queries=self.allocator.stats.queries, prefix_cache_hits=self.allocator.stats.hits,
             num_preemptions=self._num_preemptions, lora_running=dict(lora_running), lora_waiting=dict(lora_waiting),
-            lora_slot_loads=self.lora_slots.num_loads if self.lora_slots is not None else 0)
+            lora_slot_loads=self.lora_slots.num_loads if self.lora_slots is not None else 0,
+            num_host_pages=self.allocator.num_host_pages, num_host_pages_used=self.allocator.num_host_pages_used,
+            host_hit_tokens=self.allocator.host_hit_tokens, num_demotions=self.allocator.num_demotions,
+            num_promotions=self.allocator.num_promotions, num_swap_preemptions=self._num_swap_preemptions,
+            num_swapped_in_pages=self._num_swapped_in_pages)
 
     def _lora_counts(self) -> tuple[collections.Counter, collections.Counter]:
         """(adapter -> running sequences, adapter -> waiting ones, just added included)."""
@@ -302,6 +328,8 @@ class Scheduler:
             self._admit(st)
 
         plan = st.plan
+        moves = self.allocator.drain_transfers()
+        plan.demotions, plan.promotions = moves.demotions, moves.promotions
         plan.chunks.sort(key=lambda c: len(c.token_ids) != 1)  # stable: 1-token chunks first
         plan.num_tokens = sum(len(c.token_ids) for c in plan.chunks)
         for chunk in plan.chunks:
@@ -442,6 +470,8 @@ class Scheduler:
                 break  # every adapter slot is held by running sequences of other adapters
             self._waiting.pop(0)
             alloc.open(leader.seq_id, namespace, cached, num_query_tokens=len(tokens))
+            if leader.admitted_once:  # a preempted sequence resumes: what came back from the host is a swap-in
+                self._num_swapped_in_pages += sum(1 for p in cached if p < 0)
             st.cache_hit_tokens += num_cached
             if not leader.admitted_once:  # a recompute keeps the first admission's figure
                 leader.num_cached_prompt_tokens = num_cached
@@ -551,7 +581,10 @@ class Scheduler:
         unit = [victim, *victim.pending_siblings]
         for seq in unit:
             if self.allocator.has_sequence(seq.seq_id):
-                self.allocator.free(seq.seq_id)
+                if self._swap_or_recompute(seq) == "swap":
+                    self.allocator.free(seq.seq_id)  # cached pages demote when evicted, return on resume
+                else:
+                    self.allocator.forget(seq.seq_id)
             self._release_lora(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
@@ -560,6 +593,22 @@ class Scheduler:
         self._waiting.append(unit)  # _admit sorts the queue: it lands in front of later arrivals
         self._num_preemptions += 1
         st.preempted = True
+
+    def _swap_or_recompute(self, seq: Sequence) -> str:
+        """With a host KV tier: keep a preempted sequence's committed pages (they are demoted as
+        the pool needs them and promoted when it resumes) when moving them out and back costs less
+        than prefilling their tokens again; the rest of its tokens are recomputed either way."""
+        pages = self.allocator.num_committed_pages(seq.seq_id)
+        if self.swap_costs is None or not self.allocator.num_host_pages or pages == 0:
+            return "recompute"
+        costs, ps = self.swap_costs, self.allocator.page_size
+        swap = pages * costs.move_seconds_per_page
+        recompute = pages * ps * costs.recompute_seconds_per_token
+        choice = "swap" if swap < recompute else "recompute"
+        self._num_swap_preemptions += choice == "swap"
+        logger.info("preempting %s: %s (%d full pages: ~%.2f ms to move out and back, ~%.2f ms to recompute "
+                    "%d tokens)", seq.seq_id, choice, pages, swap * 1e3, recompute * 1e3, pages * ps)
+        return choice
 
     # ---- finishing -----------------------------------------------------------------------------
 

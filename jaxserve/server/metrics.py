@@ -174,15 +174,35 @@ class _EngineCollector(Collector):
                   "prefix-cache pages count as free.", usage),
             gauge("num_kv_pages_used", "KV pages held by sequences.", used),
             gauge("num_kv_pages_total", "KV pages in the pool.", s.num_total_pages),
-            counter("num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions),
+            counter("num_preemptions", "Sequences preempted (recomputed, or swapped with a host KV tier).",
+                    s.num_preemptions),
             counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits),
             counter("compilations_after_warmup", "XLA compilations after warm-up (should stay 0).",
                     core.runner.compilations_after_warmup),
             self._cache_config(core),
+            *self._host_tier(s, gauge, counter),
             *self._spec_decode(core),
             *self._lora(core, s),
             *(self._vllm(core, s, usage) if self.vllm_names else ()),
+        ]
+
+    @staticmethod
+    def _host_tier(s: Any, gauge: Any, counter: Any) -> list[Metric]:
+        """The host KV tier's figures (--kv-offload-gib), when there is one."""
+        if not s.num_host_pages:
+            return []
+        return [
+            gauge("kv_host_pages_total", "Pages in the host KV tier.", s.num_host_pages),
+            gauge("kv_host_pages_used", "Host KV tier pages holding an evicted or swapped page.", s.num_host_pages_used),
+            counter("kv_host_hit_tokens", "Prompt tokens whose KV came back from the host tier instead of being "
+                    "computed (prefix hits and swap-ins).", s.host_hit_tokens),
+            counter("kv_demoted_pages", "Pages moved from the device to the host tier.", s.num_demotions),
+            counter("kv_promoted_pages", "Pages moved from the host tier back to the device.", s.num_promotions),
+            counter("num_swap_preemptions", "Preemptions that kept the sequence's pages (swap) rather than "
+                    "recomputing them.", s.num_swap_preemptions),
+            counter("kv_swapped_in_pages", "Pages a resumed preempted sequence got back from the host tier.",
+                    s.num_swapped_in_pages),
         ]
 
     def _vllm(self, core: Any, s: Any, usage: float) -> list[Metric]:

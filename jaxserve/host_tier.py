@@ -1,0 +1,101 @@
+"""The KV host tier's device side: page contents moved between the device pool and host memory.
+
+The allocator (page_allocator.py) decides which pages move and names host pages by slot numbers;
+this file holds their contents. A step's demotions (device -> host) are cut into power-of-two runs;
+each run is one `gather_pages` program (W pages out of the pool, W in CHUNK_WIDTHS) whose result is
+put into host memory asynchronously (`memory_kind="pinned_host"` where the backend has it; on a
+CPU the pool already lives in RAM and the run stays where it is). Each host slot then refers to
+(run, row). A promotion (host -> device) puts each run it reads back on the device and scatters its
+rows into the pool (`scatter_pages`, the pool donated; the rows not promoted target an
+out-of-bounds page and are dropped). No step waits on the host: every move is dispatched on the
+device's stream ahead of the forward that reads the pages, and runs are dropped once no slot
+refers to them. Exact power-of-two runs keep host memory at the pages demoted, and bound the
+programs to 2 x len(CHUNK_WIDTHS).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import kv_cache
+
+CHUNK_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@jax.jit
+def gather_pages(kv: kv_cache.KVPages, src: jax.Array) -> kv_cache.KVPages:
+    """The pages `src` [W] of every layer (values and scales): a KVPages of W pages."""
+    return jax.tree.map(lambda pages: jnp.take(pages, src, axis=0), kv)
+
+
+def _scatter(kv: kv_cache.KVPages, rows: kv_cache.KVPages, dst: jax.Array) -> kv_cache.KVPages:
+    return jax.tree.map(lambda pages, r: pages.at[dst].set(r.astype(pages.dtype), mode="drop"), kv, rows)
+
+
+scatter_pages = jax.jit(_scatter, donate_argnums=(0,))
+
+
+def power_of_two_runs(n: int) -> list[int]:
+    """n as a sum of CHUNK_WIDTHS, largest first (13 -> [8, 4, 1])."""
+    out = []
+    for width in reversed(CHUNK_WIDTHS):
+        while n >= width:
+            out.append(width)
+            n -= width
+    return out
+
+
+class HostTier:
+    def __init__(self, kv: kv_cache.KVPages, put: Callable[[np.ndarray], jax.Array]) -> None:
+        """put: places a host index array as the step inputs are placed (replicated on the mesh)."""
+        self._put = lambda a: put(np.ascontiguousarray(a, np.int32))
+        device = next(iter(kv.k[0].sharding.device_set))
+        kinds = {m.kind for m in device.addressable_memories()} if device.platform != "cpu" else set()
+        self._host = "pinned_host" if "pinned_host" in kinds else None
+        self.memory = self._host or "the CPU's RAM, where the pool also lives"
+        self._device_shardings = jax.tree.map(lambda a: a.sharding, kv)
+        self.num_pages_oob = kv.num_pages  # a destination that drops its row
+        self._slots: dict[int, tuple[Any, int]] = {}  # host slot -> (run, row)
+
+    def _to_host(self, rows: kv_cache.KVPages) -> Any:
+        if self._host is None:
+            return rows
+        return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind(self._host)), rows)
+
+    def _to_device(self, run: Any) -> kv_cache.KVPages:
+        if self._host is None:
+            return run
+        return jax.tree.map(jax.device_put, run, self._device_shardings)
+
+    def demote(self, kv: kv_cache.KVPages, moves: np.ndarray) -> None:
+        """moves: [n, 2] (device page, host slot)."""
+        start = 0
+        for width in power_of_two_runs(len(moves)):
+            part = moves[start:start + width]
+            run = self._to_host(gather_pages(kv, self._put(part[:, 0])))
+            for row, slot in enumerate(part[:, 1]):
+                self._slots[int(slot)] = (run, row)
+            start += width
+
+    def promote(self, kv: kv_cache.KVPages, moves: np.ndarray) -> kv_cache.KVPages:
+        """moves: [n, 2] (host slot, device page). Returns the pool (donated and replaced)."""
+        by_run: dict[int, tuple[Any, np.ndarray]] = {}
+        for slot, page in moves:
+            run, row = self._slots.pop(int(slot))
+            if id(run) not in by_run:
+                by_run[id(run)] = (run, np.full(run.k[0].shape[0], self.num_pages_oob, np.int32))
+            by_run[id(run)][1][row] = page
+        for run, dst in by_run.values():
+            kv = scatter_pages(kv, self._to_device(run), self._put(dst))
+        return kv
+
+    def warmup(self, kv: kv_cache.KVPages) -> kv_cache.KVPages:
+        """Compiles every run width's gather and scatter (moving nothing). Returns the pool."""
+        for width in CHUNK_WIDTHS:
+            run = self._to_host(gather_pages(kv, self._put(np.zeros(width))))
+            kv = scatter_pages(kv, self._to_device(run), self._put(np.full(width, self.num_pages_oob)))
+        return kv
