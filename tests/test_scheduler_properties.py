@@ -25,7 +25,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.page_allocator import PageAllocator
 from jaxserve.request import FinishReason, Request
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import PENDING_TOKEN, SampledToken, Scheduler, StepPlan
+from jaxserve.scheduler import PENDING_TOKEN, SampledToken, Scheduler, StepPlan, SwapCosts
 
 EOS = 0
 MAX_MODEL_LEN = 48
@@ -44,6 +44,8 @@ class Setup:
     budget: int
     policy: str
     caching: bool
+    host_pages: int = 0   # a host KV tier (page_allocator.py): evicted cached pages demoted there
+    swap: bool = True     # preemption with a host tier: swap (keep the pages) or recompute
 
 
 def make(setup: Setup, num_pages: int | None = None, max_model_len: int = MAX_MODEL_LEN) -> Scheduler:
@@ -51,7 +53,9 @@ def make(setup: Setup, num_pages: int | None = None, max_model_len: int = MAX_MO
     cfg = EngineConfig(page_size=setup.page_size, num_kv_pages=pages, max_num_seqs=setup.max_num_seqs,
                        max_num_batched_tokens=setup.budget, max_model_len=max_model_len,
                        enable_prefix_caching=setup.caching, scheduling_policy=setup.policy, model_id="m")
-    return Scheduler(cfg, PageAllocator(pages, setup.page_size, setup.caching))
+    s = Scheduler(cfg, PageAllocator(pages, setup.page_size, setup.caching, setup.host_pages))
+    s.swap_costs = SwapCosts(1.0, 0.0) if setup.swap else SwapCosts(0.0, 1.0)
+    return s
 
 
 def run_alone(setup: Setup, request: Request) -> dict[int, list[int]]:
@@ -85,6 +89,7 @@ class Harness:
         self.cut_applied: set[tuple[str, int]] = set()
         self.inflight: StepPlan | None = None  # async: dispatched, not yet updated
         self.pool: dict[int, list[int | None]] = {}  # simulated device: page -> token whose K/V each slot holds
+        self.host_pool: dict[int, list[int | None]] = {}  # simulated host tier: slot -> the same
         self.limit = min(MAX_MODEL_LEN, setup.num_pages * setup.page_size)  # context limit (max_tokens None)
 
     def submit(self, request: Request) -> None:
@@ -170,6 +175,10 @@ class Harness:
     def dispatch(self, plan: StepPlan) -> None:
         """The simulated device runs the step now: steps run in dispatch order, as on the device."""
         ps = self.setup.page_size
+        for dev, host in plan.demotions:  # host tier moves first: demotions, then promotions
+            self.host_pool[host] = list(self.pool.get(dev, [None] * ps))
+        for host, dev in plan.promotions:
+            self.pool[dev] = list(self.host_pool[host])
         for src, dst in plan.copies:
             self.pool[dst] = list(self.pool.get(src, [None] * ps))
         for c in plan.chunks:
@@ -227,7 +236,8 @@ class Harness:
 setups = st.builds(
     Setup, page_size=st.sampled_from([2, 4]), num_pages=st.integers(4, 14),
     max_num_seqs=st.integers(1, 4), budget=st.integers(4, 20),
-    policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans())
+    policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans(),
+    host_pages=st.sampled_from([0, 0, 2, 6, 24]), swap=st.booleans())
 
 submit_ops = st.tuples(
     st.just("submit"), st.integers(0, len(PREFIXES) - 1), st.integers(0, 16),
@@ -282,3 +292,17 @@ def test_tiny_pool_preempts_and_outputs_still_match_run_alone(async_mode):
     h = play(setup, operations, async_mode)
     assert h.s.stats().num_preemptions > 0
     assert all(len(out) == 8 for out in h.outputs.values())  # ignore_eos: everyone runs to max_tokens
+
+
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
+def test_with_a_host_tier_preempted_sequences_swap_back_in_and_match_run_alone(async_mode):
+    """The same tiny pool with a host KV tier: preempted sequences' pages are demoted and promoted
+    back when they resume (swap-ins counted), each read checked against what was written, and the
+    outputs are those of each request run alone."""
+    setup = Setup(page_size=2, num_pages=8, max_num_seqs=4, budget=8, policy="fcfs", caching=True, host_pages=16)
+    operations = [("submit", i % 2, 4, [i + 1, i + 2], 8, 1 + i % 2, None, 0, 0, True) for i in range(5)]
+    h = play(setup, operations, async_mode)
+    stats = h.s.stats()
+    assert stats.num_preemptions > 0 and stats.num_swap_preemptions > 0
+    assert stats.num_swapped_in_pages > 0 and stats.num_promotions >= stats.num_swapped_in_pages
+    assert all(len(out) == 8 for out in h.outputs.values())

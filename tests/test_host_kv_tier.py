@@ -1,0 +1,113 @@
+"""The host KV tier (--kv-offload-gib): evicted prefix-cache pages demoted to host memory and
+promoted back on a hit, and preempted sequences swapped out and back in, with outputs identical to
+an engine without the tier (which recomputes) and to each request run alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_utils import greedy, make_core, run_all, tiny_model
+from jaxserve.page_allocator import PageAllocator, host_page
+from jaxserve.request import Request
+
+NS = "m\x00"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    cfg, weights, _ = tiny_model(tmp_path_factory.mktemp("tier"))
+    return cfg, weights
+
+
+# ---------------------------------------------------------------- the allocator's two tiers
+
+def _fill(alloc: PageAllocator, seq: str, tokens: list[int]) -> None:
+    alloc.open(seq, NS)
+    alloc.grow(seq, len(tokens), 0)
+    alloc.commit(seq, tokens)
+    alloc.free(seq)
+
+
+def test_an_evicted_cached_page_is_demoted_and_a_hit_promotes_it_back():
+    alloc = PageAllocator(4, 2, num_host_pages=3)
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    _fill(alloc, "a", a)  # 4 cached pages, all evictable, a's tail oldest in the LRU
+    assert alloc.drain_transfers().demotions == []
+    _fill(alloc, "b", [9, 9, 9, 9])  # takes a's two tail pages: demoted to host slots 0 and 1
+    assert alloc.drain_transfers().demotions == [(3, 0), (2, 1)] and alloc.num_host_pages_used == 2
+    pages, n = alloc.match_prefix(a + [0], NS)
+    assert n == 8 and pages == [0, 1, host_page(1), host_page(0)]
+    assert alloc.can_allocate(0, holding=pages) and not alloc.can_allocate(1, holding=pages)
+    alloc.open("c", NS, pages, num_query_tokens=9)
+    moves = alloc.drain_transfers()
+    # two device pages for the promotions: b's, demoted first (b's second page gives way to its first
+    # in the last free host slot: the other two are being read)
+    assert moves.demotions == [(2, 2), (3, 2)] and moves.promotions == [(1, 2), (0, 3)]
+    assert alloc.page_table("c") == [0, 1, 2, 3] and alloc.host_hit_tokens == 4
+    assert alloc.match_prefix([9, 9, 9, 9, 0], NS) == ([host_page(2)], 2)
+    alloc.check_invariants()
+
+
+def test_a_host_page_promoted_in_a_step_is_not_reused_before_the_next_drain():
+    alloc = PageAllocator(2, 1, num_host_pages=1)
+    _fill(alloc, "a", [1, 2])
+    _fill(alloc, "b", [3])  # a's second page -> the only host slot
+    alloc.drain_transfers()
+    pages, _ = alloc.match_prefix([1, 2, 0], NS)
+    assert pages == [0, host_page(0)]
+    alloc.open("c", NS, pages)  # the promotion's device page evicts b's page, whose demotion finds
+    moves = alloc.drain_transfers()  # no host slot (the only one is being read): b's page is dropped
+    assert moves.promotions == [(0, 1)] and moves.demotions == []
+    alloc.check_invariants()
+    assert alloc.match_prefix([3, 0], NS) == ([], 0)
+
+
+def test_forget_drops_the_keys_a_recompute_will_not_use():
+    alloc = PageAllocator(4, 2, num_host_pages=4)
+    alloc.open("a", NS)
+    alloc.grow("a", 4, 0)
+    alloc.commit("a", [1, 2, 3, 4])
+    alloc.forget("a")
+    assert alloc.match_prefix([1, 2, 3, 4, 5], NS) == ([], 0)
+    alloc.check_invariants()
+
+
+# ---------------------------------------------------------------- the engine
+
+def _prompts() -> list[list[int]]:
+    """A prefix, four others that push it out of a 24-page pool, then the prefix again."""
+    p1 = [(i * 7) % 90 + 3 for i in range(40)]
+    others = [[(i * 13 + k * 5) % 90 + 3 for i in range(40)] for k in range(4)]
+    return [p1 + [5]] + [o + [6] for o in others] + [p1 + [8, 9]]
+
+
+def _one_at_a_time(core) -> list[list[int]]:
+    return [run_all(core, [Request(f"r{i}", p, greedy(6))])[f"r{i}"][0] for i, p in enumerate(_prompts())]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])  # int8: the scales move with the values
+def test_prefix_pages_pushed_out_of_the_device_come_back_from_the_host(model, kv_cache_dtype):
+    want = _one_at_a_time(make_core(*model, num_kv_pages=24, kv_cache_dtype=kv_cache_dtype))
+    core = make_core(*model, num_kv_pages=24, kv_cache_dtype=kv_cache_dtype, kv_offload_gib=0.001)
+    assert core.runner.num_host_pages > 24
+    assert _one_at_a_time(core) == want
+    stats = core.stats()
+    assert stats.host_hit_tokens == 40 and stats.num_promotions == 10 and stats.num_demotions >= 10
+    assert core.runner.compilations_after_warmup == 0
+    core.allocator.check_invariants()
+
+
+def test_preempted_sequences_swap_out_and_back_in_with_the_outputs_of_running_alone(model):
+    prompts = [[(i * 11 + k * 3) % 90 + 3 for i in range(20 + k)] for k in range(6)]
+    alone = [run_all(make_core(*model), [Request("r", p, greedy(30))])["r"][0] for p in prompts]
+    outs = {}
+    for gib in (None, 0.001):  # recompute, then swap
+        core = make_core(*model, num_kv_pages=24, kv_offload_gib=gib)
+        got = run_all(core, [Request(f"r{i}", p, greedy(30)) for i, p in enumerate(prompts)])
+        outs[gib] = [got[f"r{i}"][0] for i in range(len(prompts))]
+        stats = core.stats()
+        assert stats.num_preemptions > 0
+        if gib is not None:
+            assert stats.num_swap_preemptions > 0 and stats.num_swapped_in_pages > 0
+            assert core.runner.compilations_after_warmup == 0
+    assert outs[None] == outs[0.001] == alone
