@@ -195,3 +195,24 @@ def test_moe_forward_runs_its_grouped_matmuls_as_triton_kernels_on_two_h100s():
         extra = (_kernel_calls(_largest_forward(moe, devices, rules, 2), marker)
                  - _kernel_calls(_largest_forward(dataclasses.replace(moe, moe=None), devices, "tp", 2), marker))
         assert 3 * moe.num_layers <= extra <= 4 * moe.num_layers, rules
+
+
+def test_host_tier_page_moves_compile_for_tpu():
+    """The host KV tier's gather (pages out of the pool) and scatter (pages back, pool donated) for
+    every run width, on a v6e-4 pool split over its KV heads."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve import kv_cache
+    from jaxserve.host_tier import CHUNK_WIDTHS, gather_pages, scatter_pages
+    from jaxserve.sharding import replicated
+
+    cfg = ModelConfig.from_hf(FAMILIES["qwen3"])
+    mesh = make_mesh(1, 4, parse_target("tpu-v6e:2x2").devices())
+    pool = kv_cache.abstract(cfg, 64, 16, jnp.bfloat16, mesh)
+    for width in CHUNK_WIDTHS:
+        index = jax.ShapeDtypeStruct((width,), jnp.int32, sharding=replicated(mesh))
+        run = jax.eval_shape(gather_pages, pool, index)
+        assert run.k[0].shape == (width, 16, cfg.num_kv_heads, cfg.head_dim)
+        assert gather_pages.lower(pool, index).compile().memory_analysis() is not None
+        assert scatter_pages.lower(pool, run, index).compile().memory_analysis() is not None
