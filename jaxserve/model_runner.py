@@ -146,6 +146,9 @@ class ModelRunner:
         self.eagle = (EagleRunner(*eagle, weights.embed, engine_cfg, mesh, self.dtype, self._put)
                       if eagle is not None else None)
         self._aux: jax.Array | None = None  # with an EAGLE-3 head: the last forward's [T, 3 D] states
+        # the proposer's pool mirrors the target's pages: its pages move between the tiers too
+        self._proposer_tier = (HostTier(self.proposer.kv, self._put)
+                               if self.host_tier is not None and self.proposer is not None else None)
         if engine_cfg.enable_lora and model_cfg.moe is not None:
             raise ValueError("--enable-lora: LoRA adapters on a mixture-of-experts model are not supported yet")
         self.lora = self._lora_slots() if engine_cfg.enable_lora else None
@@ -179,10 +182,15 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.send(("move", demotions, promotions))
         before = CompileCounter.count()
-        if demotions:
-            self.host_tier.demote(self.kv, np.asarray(demotions, np.int32).reshape(-1, 2))
-        if promotions:
-            self.kv = self.host_tier.promote(self.kv, np.asarray(promotions, np.int32).reshape(-1, 2))
+        out, back = (np.asarray(m, np.int32).reshape(-1, 2) for m in (demotions, promotions))
+        if len(out):
+            self.host_tier.demote(self.kv, out)
+            if self._proposer_tier is not None:
+                self._proposer_tier.demote(self.proposer.kv, out)
+        if len(back):
+            self.kv = self.host_tier.promote(self.kv, back)
+            if self._proposer_tier is not None:
+                self.proposer.kv = self._proposer_tier.promote(self.proposer.kv, back)
         self._count_compilations(before, what=f"{len(demotions)} demotions, {len(promotions)} promotions")
 
     def _copy_pages(self, copies: np.ndarray) -> None:
@@ -344,6 +352,8 @@ class ModelRunner:
             self.lora.warmup()
         if self.host_tier is not None:
             self.kv = self.host_tier.warmup(self.kv)
+        if self._proposer_tier is not None:
+            self.proposer.kv = self._proposer_tier.warmup(self.proposer.kv)
         self.warmed_up = True
         seconds = time.perf_counter() - start
         logger.info("warm-up compiled %d programs in %.1fs", len(programs), seconds)

@@ -111,3 +111,27 @@ def test_preempted_sequences_swap_out_and_back_in_with_the_outputs_of_running_al
             assert stats.num_swap_preemptions > 0 and stats.num_swapped_in_pages > 0
             assert core.runner.compilations_after_warmup == 0
     assert outs[None] == outs[0.001] == alone
+
+
+def test_a_draft_models_pages_move_with_the_targets(tmp_path):
+    """The target as its own draft model: every greedy draft is accepted only if the draft's own
+    K/V of the promoted prefix pages came back with the target's."""
+    from hf_models import make_hf_model
+
+    path, _ = make_hf_model("llama3-gqa-tied", tmp_path, seed=5)
+    cfg, weights, _ = tiny_model(tmp_path / "same", "llama3-gqa-tied", seed=5)
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    want = _one_at_a_time(make_core(cfg, weights, num_kv_pages=24))
+    core = make_core(cfg, weights, num_kv_pages=24, kv_offload_gib=0.001, speculative_config=spec)
+    assert _one_at_a_time(core) == want
+    stats = core.scheduler.spec_stats
+    assert core.stats().num_promotions == 10
+    assert stats.num_draft_tokens > 10 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert core.runner.compilations_after_warmup == 0
+    # the same model: its pool holds the target's K/V on every page both wrote, promoted ones included
+    import numpy as np
+
+    pages, _ = core.allocator.match_prefix(_prompts()[-1], core.engine_cfg.model_id + "\x00")
+    assert len(pages) == 10 and all(p >= 0 for p in pages)
+    for target, draft in zip(core.runner.kv.k, core.runner.proposer.kv.k):
+        np.testing.assert_allclose(np.asarray(draft)[pages], np.asarray(target)[pages], rtol=1e-5, atol=1e-5)
