@@ -72,8 +72,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="share KV pages of identical prompt prefixes between requests")
     g.add_argument("--kv-offload-gib", type=_positive_float, default=None, help="a host-memory KV tier of this "
                    "many GiB: cached pages evicted from the device move there and come back on a prefix hit, and a "
-                   "preempted sequence's pages come back instead of being recomputed (needs prefix caching; "
-                   "default: off)")
+                   "preempted sequence's pages come back instead of being recomputed; needs prefix caching "
+                   "(default: off)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="plan and dispatch step n+1 before step n's tokens are fetched")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="shorthand for --mesh 1xN "

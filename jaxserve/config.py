@@ -331,6 +331,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if self.kv_offload_gib is not None and not self.kv_offload_gib > 0:
             raise ValueError(f"--kv-offload-gib must be > 0, got {self.kv_offload_gib}")
+        if self.kv_offload_gib is not None and not self.enable_prefix_caching:
+            raise ValueError("--kv-offload-gib needs prefix caching (its pages are found by their prefix keys): "
+                             "drop --no-enable-prefix-caching")
         if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
             raise ValueError(f"EngineConfig.memory_utilization must be in (0, 1], got {self.memory_utilization}")
         kv_quant.check_name(self.kv_cache_dtype)

@@ -53,7 +53,7 @@ class HostTier:
     def __init__(self, kv: kv_cache.KVPages, put: Callable[[np.ndarray], jax.Array]) -> None:
         """put: places a host index array as the step inputs are placed (replicated on the mesh)."""
         self._put = lambda a: put(np.ascontiguousarray(a, np.int32))
-        device = next(iter(kv.k[0].sharding.device_set))
+        device = kv.k[0].addressable_shards[0].device  # this process's (multi-host: not every device is)
         kinds = {m.kind for m in device.addressable_memories()} if device.platform != "cpu" else set()
         self._host = "pinned_host" if "pinned_host" in kinds else None
         self.memory = self._host or "the CPU's RAM, where the pool also lives"

@@ -135,3 +135,12 @@ def test_a_draft_models_pages_move_with_the_targets(tmp_path):
     assert len(pages) == 10 and all(p >= 0 for p in pages)
     for target, draft in zip(core.runner.kv.k, core.runner.proposer.kv.k):
         np.testing.assert_allclose(np.asarray(draft)[pages], np.asarray(target)[pages], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_host_tier_settings_are_named():
+    from jaxserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--kv-offload-gib must be > 0"):
+        EngineConfig(kv_offload_gib=0)
+    with pytest.raises(ValueError, match="--kv-offload-gib needs prefix caching"):
+        EngineConfig(kv_offload_gib=1.0, enable_prefix_caching=False)
