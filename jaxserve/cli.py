@@ -70,6 +70,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     _size_args(g)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share KV pages of identical prompt prefixes between requests")
+    g.add_argument("--kv-role", choices=("prefill", "decode"), default=None, help="prefill/decode "
+                   "disaggregation: a prefill instance exports its prompts' KV pages (POST /v1/kv/export); a decode "
+                   "instance imports them for requests that name it in kv_transfer_params (`jaxserve proxy` does "
+                   "both) (default: neither)")
     g.add_argument("--kv-offload-gib", type=_positive_float, default=None, help="a host-memory KV tier of this "
                    "many GiB: cached pages evicted from the device move there and come back on a prefix hit, and a "
                    "preempted sequence's pages come back instead of being recomputed; needs prefix caching "
@@ -168,7 +172,7 @@ def _engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  
         model_id=model_id, **_size_fields(args), enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
         dtype=None if args.dtype == "auto" else args.dtype, quantization=args.quantization, mesh_shape=mesh, layout=args.layout,
-        kv_offload_gib=args.kv_offload_gib,
+        kv_offload_gib=args.kv_offload_gib, kv_role=args.kv_role,
         attention_backend=args.attention_backend, compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,
         seed=args.seed, speculative_config=args.speculative_config, enable_lora=args.enable_lora,
         lora_modules=tuple(args.lora_modules), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
@@ -335,6 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--balance-slack", type=int, default=8, help="requests by which the replica holding a "
                    "request's prefix may be busier than the least-loaded one (and 1.5x as busy) before load wins")
 
+    x = command("proxy", "prefill/decode disaggregation behind one OpenAI API: each request is prefilled on a "
+                "`serve --kv-role prefill` instance, then generated on a `serve --kv-role decode` instance that "
+                "imports its KV pages")
+    x.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances' base URLs")
+    x.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances' base URLs")
+    x.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    x.add_argument("--port", type=int, default=8000, help="port to listen on")
+
     # Only listed here for `jaxserve --help`: main() hands everything after `bench` to the script.
     b = command("bench", "load-test an OpenAI-compatible server (scripts/bench_serving.py; see "
                 "`jaxserve bench --help`)")
@@ -365,6 +377,14 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         from jaxserve.router.app import build_router
 
         uvicorn.run(build_router(args.replicas, args.balance_slack), host=args.host, port=args.port,
+                    log_level=args.log_level, access_log=False)
+        return 0
+    if args.command == "proxy":
+        import uvicorn
+
+        from jaxserve.router.pd_proxy import build_pd_proxy
+
+        uvicorn.run(build_pd_proxy(args.prefill, args.decode), host=args.host, port=args.port,
                     log_level=args.log_level, access_log=False)
         return 0
     if args.command == "serve" and args.data_parallel_size != 1:

@@ -294,6 +294,7 @@ class EngineConfig:
     quantization: str | None = None          # online weight quantization: "int8" | "int4" | "fp8" (quant/scheme.py)
     kv_cache_dtype: str = "auto"             # KV pages: "auto" (compute dtype) | "int8" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
     kv_offload_gib: float | None = None      # host-memory KV tier (GiB): evicted cached pages kept there (page_allocator.py)
+    kv_role: str | None = None               # PD disaggregation: "prefill" (exports pages) | "decode" (imports them)
     mesh_shape: tuple[int, int] = (1, 1)     # (data, model)
     layout: str = "tp"                       # logical-axis rules (layouts.RULE_SETS): how the mesh splits the model
     attention_backend: str = "auto"          # "auto" | "reference" | "tpu" | "gpu"
@@ -331,6 +332,10 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if self.kv_offload_gib is not None and not self.kv_offload_gib > 0:
             raise ValueError(f"--kv-offload-gib must be > 0, got {self.kv_offload_gib}")
+        if self.kv_role not in (None, "prefill", "decode"):
+            raise ValueError(f"--kv-role must be prefill or decode, got {self.kv_role!r}")
+        if self.kv_role is not None and not self.enable_prefix_caching:
+            raise ValueError("--kv-role needs prefix caching (shipped pages are found by their prefix keys)")
         if self.kv_offload_gib is not None and not self.enable_prefix_caching:
             raise ValueError("--kv-offload-gib needs prefix caching (its pages are found by their prefix keys): "
                              "drop --no-enable-prefix-caching")

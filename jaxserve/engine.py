@@ -102,6 +102,10 @@ class EngineCore:
         self._inflight: _InFlight | None = None
         self._last_plan: StepPlan | None = None  # the last step dispatched (an EAGLE-3 head proposes from it)
         self._lora_lock = threading.Lock()  # adapter name checks vs run-time unloads
+        self._kv_jobs: list[Callable[[], None]] = []  # PD page exports/imports, run on the engine thread
+        self._kv_lock = threading.Lock()
+        self.num_exported_pages = 0
+        self.num_imported_pages = 0
         self._lora_unloads: list[tuple[str, Future[None]]] = []
         spec = self.scheduler.spec_stats
         self._spec_logged = (time.monotonic(), spec.copy()) if spec is not None else None
@@ -166,6 +170,49 @@ class EngineCore:
                 fut.set_result(None)
                 logger.info("LoRA adapter %r unloaded", name)
 
+    # ---- PD disaggregation (kv_transfer.py): any thread queues, the engine thread runs ----------------
+
+    def _queue(self, job: Callable[[], Any]) -> "Future[Any]":
+        fut: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(job())
+            except Exception as e:  # the caller's error (a misfit payload), not the engine's
+                fut.set_exception(e)
+        with self._kv_lock:
+            self._kv_jobs.append(run)
+        return fut
+
+    def export_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> "Future[list[Any]]":
+        """The K/V (host arrays, ModelRunner.read_pages' layout) of the full pages of `token_ids` this
+        engine's prefix cache holds on the device, from the first."""
+        def job() -> list[Any]:
+            pages = self.allocator.device_prefix(token_ids, self.scheduler.namespace(None, cache_salt))
+            self.num_exported_pages += len(pages)
+            return self.runner.export_pages(pages)
+        return self._queue(job)
+
+    def import_prefix(self, token_ids: list[int], cache_salt: str | None, num_pages: int,
+                      leaves: list[Any]) -> "Future[int]":
+        """Enters the first `num_pages` full pages of `token_ids`, whose K/V is `leaves`, into the
+        prefix cache (pages already cached are kept); the future gives the pages written."""
+        if num_pages * self.engine_cfg.page_size > len(token_ids):
+            raise ValueError(f"{num_pages} pages of K/V for {len(token_ids)} tokens")
+
+        def job() -> int:
+            self.runner.check_pages(leaves)  # before any page is keyed
+            pairs = self.allocator.import_pages(token_ids, self.scheduler.namespace(None, cache_salt), num_pages)
+            moves = self.allocator.drain_transfers()  # pages the import took were demoted: read them first
+            if moves.demotions or moves.promotions:
+                self.runner.move_pages(moves.demotions, moves.promotions)
+            if pairs:
+                rows = [i for i, _ in pairs]
+                self.runner.import_pages([p for _, p in pairs], [leaf[rows] for leaf in leaves])
+            self.num_imported_pages += len(pairs)
+            return len(pairs)
+        return self._queue(job)
+
     def add_request(self, request: Request) -> Request:
         """Validates and queues a request; raises ValueError naming the problem. Every request gets
         a seed (a random one when it has none), so every sample row is reproducible."""
@@ -197,7 +244,8 @@ class EngineCore:
         self.scheduler.finish(request_id, sample_index)
 
     def has_work(self) -> bool:
-        return self._inflight is not None or bool(self._lora_unloads) or self.scheduler.has_work()
+        return (self._inflight is not None or bool(self._lora_unloads) or bool(self._kv_jobs)
+                or self.scheduler.has_work())
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -240,6 +288,11 @@ class EngineCore:
         t0 = time.perf_counter()
         if self._lora_unloads:
             self._apply_lora_unloads()
+        if self._kv_jobs:
+            with self._kv_lock:
+                jobs, self._kv_jobs = self._kv_jobs, []
+            for job in jobs:
+                job()
         plan = self.scheduler.schedule()
         if plan.demotions or plan.promotions:  # host KV tier: before anything reads the pages
             self.runner.move_pages(plan.demotions, plan.promotions)

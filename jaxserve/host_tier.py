@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import kv_cache
+from jaxserve import kv_cache, sharding
 
 CHUNK_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -99,3 +99,37 @@ class HostTier:
             run = self._to_host(gather_pages(kv, self._put(np.zeros(width))))
             kv = scatter_pages(kv, self._to_device(run), self._put(np.full(width, self.num_pages_oob)))
         return kv
+
+
+def read_pages(kv: kv_cache.KVPages, pages: list[int], put: Callable[[np.ndarray], jax.Array]) -> list[np.ndarray]:
+    """The K/V of `pages` on the host, one array per pool leaf (jax.tree.leaves order) [n, ...].
+    Waits for the device: for a KV export (PD disaggregation), not for a step."""
+    runs, start = [], 0
+    for width in power_of_two_runs(len(pages)):
+        runs.append(gather_pages(kv, put(np.asarray(pages[start:start + width], np.int32))))
+        start += width
+    leaves = [jax.tree.leaves(run) for run in jax.device_get(runs)]
+    return [np.concatenate([run[j] for run in leaves]) for j in range(len(leaves[0]))] if leaves else []
+
+
+def write_pages(kv: kv_cache.KVPages, pages: list[int], leaves: list[np.ndarray],
+                put: Callable[[np.ndarray], jax.Array]) -> kv_cache.KVPages:
+    """Fills device `pages` with host K/V (`leaves` as read_pages gives them, one row per page),
+    placed as the pool is; put places the index arrays. Returns the pool (donated and replaced)."""
+    shardings = jax.tree.map(lambda a: a.sharding, kv)
+    treedef = jax.tree.structure(kv)
+    start = 0
+    for width in power_of_two_runs(len(pages)):
+        rows = jax.tree.unflatten(treedef, [np.ascontiguousarray(leaf[start:start + width]) for leaf in leaves])
+        kv = scatter_pages(kv, sharding.put(rows, shardings), put(np.asarray(pages[start:start + width], np.int32)))
+        start += width
+    return kv
+
+
+def warm_page_moves(kv: kv_cache.KVPages, put: Callable[[np.ndarray], jax.Array]) -> kv_cache.KVPages:
+    """Compiles every run width's gather and scatter (moving nothing). Returns the pool."""
+    oob = kv.num_pages
+    for width in CHUNK_WIDTHS:
+        run = gather_pages(kv, put(np.zeros(width, np.int32)))
+        kv = scatter_pages(kv, run, put(np.full(width, oob, np.int32)))
+    return kv

@@ -30,7 +30,7 @@ from jaxserve import kv_cache, sharding
 from jaxserve.capacity import plan_capacity, swap_costs
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.machine import machine_info
-from jaxserve.host_tier import HostTier
+from jaxserve.host_tier import HostTier, read_pages, warm_page_moves, write_pages
 from jaxserve.layouts import layout_rules
 from jaxserve.model.attention import make_attention
 from jaxserve.model.expert_parallel import make_moe
@@ -193,6 +193,25 @@ class ModelRunner:
                 self.proposer.kv = self._proposer_tier.promote(self.proposer.kv, back)
         self._count_compilations(before, what=f"{len(demotions)} demotions, {len(promotions)} promotions")
 
+    def export_pages(self, pages: list[int]) -> list[np.ndarray]:
+        """The K/V of `pages`, on the host (waits for the device): a prefill instance's export."""
+        return read_pages(self.kv, pages, self._put)
+
+    def check_pages(self, leaves: list[np.ndarray]) -> None:
+        """ValueError when K/V exported by another instance is shaped differently from this pool's."""
+        mine = [(a.shape[1:], a.dtype.name) for a in jax.tree.leaves(self.kv)]
+        theirs = [(tuple(l.shape[1:]), l.dtype.name) for l in leaves]
+        if [s for s, _ in mine] != [s for s, _ in theirs]:
+            raise ValueError(f"the remote instance's KV pages do not fit this pool: {len(theirs)} arrays of "
+                             f"{theirs[0] if theirs else None}, this pool {len(mine)} of {mine[0]} (same model, "
+                             f"page size, KV dtype and KV heads per device needed)")
+
+    def import_pages(self, pages: list[int], leaves: list[np.ndarray]) -> None:
+        """Fills `pages` with K/V exported by another instance (read_pages' layout; check_pages first)."""
+        before = CompileCounter.count()
+        self.kv = write_pages(self.kv, pages, leaves, self._put)
+        self._count_compilations(before, what=f"importing {len(pages)} KV pages")
+
     def _copy_pages(self, copies: np.ndarray) -> None:
         if len(copies):
             src, dst = self._put(self._pad_copies(copies))
@@ -352,6 +371,8 @@ class ModelRunner:
             self.lora.warmup()
         if self.host_tier is not None:
             self.kv = self.host_tier.warmup(self.kv)
+        if self.engine_cfg.kv_role is not None:  # PD: page exports / imports
+            self.kv = warm_page_moves(self.kv, self._put)
         if self._proposer_tier is not None:
             self.proposer.kv = self._proposer_tier.warmup(self.proposer.kv)
         self.warmed_up = True

@@ -297,6 +297,42 @@ class PageAllocator:
                 self._unkey(page)
         self.free(seq_id)
 
+    def device_prefix(self, token_ids: Seq[int], namespace: str) -> list[int]:
+        """The device pages caching `token_ids`' full pages from the start (a host hit ends it):
+        what a prefill instance exports (every full page, the last token's included)."""
+        ps, key, pages = self.page_size, namespace_key(namespace), []
+        for i in range(len(token_ids) // ps):
+            key = page_key(key, token_ids[i * ps:(i + 1) * ps])
+            page = self._cached.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def import_pages(self, token_ids: Seq[int], namespace: str, num_pages: int) -> list[tuple[int, int]]:
+        """Caches the first `num_pages` full pages of `token_ids` whose K/V arrives from elsewhere (a
+        prefill instance): each one not cached yet gets a fresh device page, keyed and evictable.
+        Returns (index among the pages, device page) for the pages the caller must fill before any
+        step reads them; none when the pool cannot take them all."""
+        if not self.enable_prefix_caching:
+            return []
+        ps, key, todo = self.page_size, namespace_key(namespace), []
+        for i in range(num_pages):
+            key = page_key(key, token_ids[i * ps:(i + 1) * ps])
+            if key not in self._cached:
+                todo.append((i, key))
+        if len(todo) > self.num_free_pages:
+            return []
+        out = []
+        for i, key in todo:
+            page = self._pop_fresh()
+            self._ref[page] = 0
+            self._cached[key] = page
+            self._page_key[page] = key
+            self._evictable[page] = None
+            out.append((i, page))
+        return out
+
     def drain_transfers(self) -> Transfers:
         """The demotions and promotions since the last drain (the device does them before the
         step that was planned meanwhile); host pages promoted since become free again."""

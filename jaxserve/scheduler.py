@@ -433,9 +433,12 @@ class Scheduler:
         return total
 
     def _namespace(self, request: Request) -> str:
+        return self.namespace(request.lora_name, request.cache_salt)
+
+    def namespace(self, lora_name: str | None, cache_salt: str | None) -> str:
         """Prefix-cache namespace: the model, the LoRA adapter (two adapters never share pages), the salt."""
-        salt = "" if request.cache_salt is None else "\x01" + request.cache_salt
-        lora = "" if request.lora_name is None else "\x02" + request.lora_name
+        salt = "" if cache_salt is None else "\x01" + cache_salt
+        lora = "" if lora_name is None else "\x02" + lora_name
         return f"{self.config.model_id}{lora}\x00{salt}"
 
     def _unit_key(self, unit: list[Sequence]) -> tuple:

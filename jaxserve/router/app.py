@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
@@ -32,6 +32,47 @@ logger = logging.getLogger("jaxserve.router")
 HEALTH_INTERVAL = 2.0
 # Hop-by-hop and length headers are the proxy's own business on each side.
 _DROPPED_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "host"}
+
+
+def error(status: int, message: str, code: str, type_: str = "bad_gateway") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "code": code}}, status)
+
+
+def json_body(raw: bytes) -> dict | JSONResponse:
+    """The request's JSON object, or the 400 to answer."""
+    try:
+        body = json.loads(raw)
+        if not isinstance(body, dict):
+            raise ValueError("not an object")
+        return body
+    except ValueError as e:
+        return error(400, f"request body is not a JSON object: {e}", "invalid_json", "invalid_request_error")
+
+
+async def relay(client: httpx.AsyncClient, request: Request, url: str, content: bytes, what: str,
+                done: Callable[[], None] = lambda: None) -> Response:
+    """Sends `content` to `url` (the request's method, headers and query) and streams the answer
+    back as it arrives; done() runs when it has ended, also when the client went away first
+    (closing the upstream response aborts the request there). 502 naming `what` when unreachable."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS}
+    upstream = client.build_request(request.method, url, content=content, headers=headers,
+                                    params=request.query_params)
+    try:
+        response = await client.send(upstream, stream=True)
+    except httpx.HTTPError as e:
+        done()
+        return error(502, f"{what} cannot be reached: {type(e).__name__}", "upstream_unreachable")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in response.aiter_bytes():
+                yield chunk
+        finally:
+            await response.aclose()
+            done()
+
+    out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROPPED_HEADERS}
+    return StreamingResponse(chunks(), response.status_code, out_headers)
 
 
 def routing_key(body: dict) -> str:
@@ -119,40 +160,15 @@ def build_router(replicas: list[str], balance_slack: int = 8, balance_ratio: flo
 
     async def forward(request: Request) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("not an object")
-        except ValueError as e:
-            return JSONResponse({"error": {"message": f"request body is not a JSON object: {e}",
-                                           "type": "invalid_request_error", "code": "invalid_json"}}, 400)
+        body = json_body(raw)
+        if isinstance(body, JSONResponse):
+            return body
         try:
             replica = policy.choose(routing_key(body), healthy)
         except RuntimeError:
-            return JSONResponse({"error": {"message": "no replica is healthy", "type": "unavailable",
-                                           "code": "no_replica"}}, 503)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS}
-        upstream = client["c"].build_request(request.method, urls[replica] + request.url.path, content=raw,
-                                             headers=headers, params=request.query_params)
-        try:
-            response = await client["c"].send(upstream, stream=True)
-        except httpx.HTTPError as e:
-            policy.done(replica)
-            return JSONResponse({"error": {"message": f"replica {replica} ({urls[replica]}) cannot be reached: "
-                                           f"{type(e).__name__}", "type": "bad_gateway", "code": "replica_unreachable"}},
-                                502)
-
-        async def relay() -> AsyncIterator[bytes]:
-            # finally: also when the client goes away mid-stream (closing upstream aborts it there)
-            try:
-                async for chunk in response.aiter_bytes():
-                    yield chunk
-            finally:
-                await response.aclose()
-                policy.done(replica)
-
-        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROPPED_HEADERS}
-        return StreamingResponse(relay(), response.status_code, out_headers)
+            return error(503, "no replica is healthy", "no_replica", "unavailable")
+        return await relay(client["c"], request, urls[replica] + request.url.path, raw,
+                           f"replica {replica} ({urls[replica]})", lambda: policy.done(replica))
 
     async def models(request: Request) -> Response:
         for i, url in enumerate(urls):
@@ -160,8 +176,7 @@ def build_router(replicas: list[str], balance_slack: int = 8, balance_ratio: flo
                 r = await client["c"].get(f"{url}/v1/models", headers={
                     k: v for k, v in request.headers.items() if k.lower() == "authorization"})
                 return Response(r.content, r.status_code, media_type="application/json")
-        return JSONResponse({"error": {"message": "no replica is healthy", "type": "unavailable",
-                                       "code": "no_replica"}}, 503)
+        return error(503, "no replica is healthy", "no_replica", "unavailable")
 
     async def health(request: Request) -> Response:
         return Response(status_code=200 if any(healthy) else 503)

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jaxserve.server import generation, lora_admin
+from jaxserve.server import generation, kv_routes, lora_admin
 from jaxserve.server.errors import APIError, bad_request, internal, overloaded, too_large, unauthorized
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.grammars import request_grammar
@@ -101,8 +101,12 @@ def build_app(loader: Loader, config: ServerConfig) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    async def kv_export(request: Request) -> Response:
+        return await kv_routes.export(state, request)
+
     routes = [
         Route("/v1/completions", guarded(completions, True), methods=["POST"]),
+        Route("/v1/kv/export", guarded(kv_export, True), methods=["POST"]),
         Route("/v1/chat/completions", guarded(chat, True), methods=["POST"]),
         Route("/v1/models", guarded(models, True), methods=["GET"]),
         *([Route("/v1/load_lora_adapter", guarded(load_lora, True), methods=["POST"]),
@@ -140,6 +144,7 @@ async def _generate(state: ServerState, request: Request, parse: Callable[..., A
     arrival = time.monotonic()
     engine = state.require_ready()
     body = parse_json_body(await _read_body(request, state.config.max_request_bytes))
+    remote = kv_routes.remote_of(state, body)  # PD: a decode instance imports the prompt's pages first
     # Tokenization / chat templates can take milliseconds for long prompts: off the event loop, one
     # at a time (a HF fast tokenizer may raise "Already borrowed" under concurrent use).
     gen = await run_in_threadpool(_locked, state, parse, body)
@@ -151,6 +156,8 @@ async def _generate(state: ServerState, request: Request, parse: Callable[..., A
                           f"{state.max_waiting} may wait at once", "n")
     if engine.num_waiting + new_sequences > state.max_waiting:
         raise overloaded(state.max_waiting)
+    if remote is not None:
+        await kv_routes.import_prompts(state, remote, gen.prompts, gen.cache_salt)
     resp, runs = generation.submit(state, gen, arrival)
     if gen.stream:
         return generation.stream(state, gen, resp, runs)

@@ -1,0 +1,100 @@
+"""Prefill/decode disaggregation on this machine: a `--kv-role prefill` server, a `--kv-role decode`
+server and `jaxserve proxy` in front (real uvicorn servers, the official openai client). Through
+the proxy the outputs are those of one colocated server, greedy and seeded, streamed or not; the
+decode instance imports the prompt's pages and computes only the prompt's last page itself; a
+prefill instance that cannot be reached fails the request with a clear error and harms nothing."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+
+from server_utils import MODEL, TEST_ENGINE, LiveServer, client_for, start_server
+
+PROMPTS = ["The history of the printing press begins in " * 6, "def merge_sort(items):\n    " * 8]
+
+
+class Proxy(LiveServer):
+    """LiveServer for an app without a ServerState (the proxy)."""
+
+    def __init__(self, app) -> None:  # noqa: ANN001
+        app.state.server = None
+        super().__init__(app)
+
+
+@pytest.fixture(scope="module")
+def pd():
+    from jaxserve.config import EngineConfig
+    from jaxserve.llm import load_engine_core
+    from jaxserve.router.pd_proxy import build_pd_proxy
+
+    servers = {role: start_server(load_engine_core(None, EngineConfig(model_id=MODEL, kv_role=role, **TEST_ENGINE)))
+               for role in ("prefill", "decode")}
+    proxy = Proxy(build_pd_proxy([servers["prefill"].url], [servers["decode"].url]))
+    yield servers, proxy
+    proxy.server.should_exit = True
+    for s in servers.values():
+        s.stop()
+
+
+def _ask(url: str, prompt: str, stream: bool, **params) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    if not stream:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **params).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, stream=True, **params) if c.choices)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8, seed=7)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_proxy_gives_the_colocated_output(pd, params, stream):
+    servers, proxy = pd
+    decode = servers["decode"]
+    for i, prompt in enumerate(PROMPTS):
+        prompt = f"{i}{stream}{params.get('seed')} {prompt}"  # a fresh prompt: its pages come from the prefill
+        before = decode.metrics()
+        got = _ask(proxy.url, prompt, stream, **params)
+        after = decode.metrics()
+        imported = after["jaxserve:kv_imported_pages_total"] - before["jaxserve:kv_imported_pages_total"]
+        hits = after["jaxserve:prefix_cache_hits_total"] - before["jaxserve:prefix_cache_hits_total"]
+        assert imported >= 2 and hits == imported * 16  # every imported page was a prefix hit
+        assert got == _ask(servers["prefill"].url, prompt, stream, **params)  # colocated: it computed all itself
+    assert servers["prefill"].metrics()["jaxserve:kv_exported_pages_total"] > 0
+    assert decode.metrics()["jaxserve:compilations_after_warmup_total"] == 0
+
+
+def test_chat_through_the_proxy(pd):
+    servers, proxy = pd
+    messages = [{"role": "user", "content": "Tell me about paged attention. " * 6}]
+    client = lambda url: openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)  # noqa: E731
+    got = client(proxy.url).chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    want = client(servers["decode"].url).chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                                                 temperature=0)
+    assert got.choices[0].message.content == want.choices[0].message.content
+
+
+def test_an_unreachable_prefill_instance_fails_the_request_clearly(pd):
+    servers, _ = pd
+    decode = servers["decode"]
+    r = httpx.post(f"{decode.url}/v1/completions", json={
+        "model": MODEL, "prompt": "hello " * 40, "max_tokens": 4,
+        "kv_transfer_params": {"remote_url": "http://127.0.0.1:9"}})
+    assert r.status_code == 502 and "the KV transfer from http://127.0.0.1:9 failed" in r.json()["error"]["message"]
+    assert _ask(decode.url, "still serving", False, temperature=0.0)  # nothing harmed
+    decode.wait_idle()
+    decode.state.core.allocator.check_invariants()
+
+
+def test_kv_roles_refuse_what_they_do_not_do(pd):
+    servers, _ = pd
+    r = httpx.post(f"{servers['decode'].url}/v1/kv/export", json={"prompt_token_ids": [1, 2, 3]})
+    assert r.status_code == 400 and "--kv-role prefill" in r.json()["error"]["message"]
+    r = httpx.post(f"{servers['prefill'].url}/v1/completions", json={
+        "model": MODEL, "prompt": "x", "max_tokens": 1, "kv_transfer_params": {"remote_url": "http://a"}})
+    assert r.status_code == 400 and "--kv-role decode" in r.json()["error"]["message"]
+    r = httpx.post(f"{servers['decode'].url}/v1/completions", json={
+        "model": MODEL, "prompt": "x", "max_tokens": 1, "kv_transfer_params": {"remote_url": 3}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+
