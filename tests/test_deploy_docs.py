@@ -75,4 +75,4 @@ def test_the_deploy_guide_has_its_manifests():
 @pytest.mark.parametrize("argv", _commands(), ids=lambda argv: " ".join(argv[1:4]))
 def test_every_command_in_the_deploy_guide_parses(argv):
     args = build_parser().parse_args(argv[1:])  # argparse exits (SystemExit) on an unknown flag
-    assert args.command in ("serve", "router")
+    assert args.command in ("serve", "router", "proxy")
