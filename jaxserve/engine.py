@@ -201,6 +201,8 @@ class EngineCore:
             raise ValueError(f"{num_pages} pages of K/V for {len(token_ids)} tokens")
 
         def job() -> int:
+            if num_pages == 0:  # a prompt shorter than a page: nothing was cached to ship
+                return 0
             self.runner.check_pages(leaves)  # before any page is keyed
             pairs = self.allocator.import_pages(token_ids, self.scheduler.namespace(None, cache_salt), num_pages)
             moves = self.allocator.drain_transfers()  # pages the import took were demoted: read them first

@@ -98,3 +98,8 @@ def test_kv_roles_refuse_what_they_do_not_do(pd):
         "model": MODEL, "prompt": "x", "max_tokens": 1, "kv_transfer_params": {"remote_url": 3}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
 
+
+
+def test_a_prompt_shorter_than_a_page_ships_nothing_and_still_works(pd):
+    servers, proxy = pd
+    assert _ask(proxy.url, "hi", True, temperature=0.0) == _ask(servers["prefill"].url, "hi", True, temperature=0.0)
