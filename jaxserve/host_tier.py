@@ -10,7 +10,7 @@ rows into the pool (`scatter_pages`, the pool donated; the rows not promoted tar
 out-of-bounds page and are dropped). No step waits on the host: every move is dispatched on the
 device's stream ahead of the forward that reads the pages, and runs are dropped once no slot
 refers to them. Exact power-of-two runs keep host memory at the pages demoted, and bound the
-programs to 2 x len(CHUNK_WIDTHS).
+programs to 2 x len(CHUNK_WIDTHS) (warm_page_moves compiles them).
 """
 
 from __future__ import annotations
@@ -91,13 +91,6 @@ class HostTier:
             by_run[id(run)][1][row] = page
         for run, dst in by_run.values():
             kv = scatter_pages(kv, self._to_device(run), self._put(dst))
-        return kv
-
-    def warmup(self, kv: kv_cache.KVPages) -> kv_cache.KVPages:
-        """Compiles every run width's gather and scatter (moving nothing). Returns the pool."""
-        for width in CHUNK_WIDTHS:
-            run = self._to_host(gather_pages(kv, self._put(np.zeros(width))))
-            kv = scatter_pages(kv, self._to_device(run), self._put(np.full(width, self.num_pages_oob)))
         return kv
 
 

@@ -134,7 +134,6 @@ class ModelRunner:
                         self.num_host_pages, engine_cfg.page_size, self.num_host_pages * engine_cfg.page_size,
                         engine_cfg.kv_offload_gib, self.host_tier.memory)
         self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size, eagle=eagle is not None)
-        self._replicated = sharding.replicated(mesh)
         self._attention = make_attention(engine_cfg.attention_backend, model_cfg, mesh, rules)
         self._moe = make_moe(model_cfg, mesh, rules)  # None unless the layout splits whole experts
         self._rows_width = rows_width(engine_cfg)
@@ -369,12 +368,10 @@ class ModelRunner:
                         self.eagle.warm_propose())
         if self.lora is not None:
             self.lora.warmup()
-        if self.host_tier is not None:
-            self.kv = self.host_tier.warmup(self.kv)
-        if self.engine_cfg.kv_role is not None:  # PD: page exports / imports
+        if self.host_tier is not None or self.engine_cfg.kv_role is not None:  # host tier, PD exports/imports
             self.kv = warm_page_moves(self.kv, self._put)
         if self._proposer_tier is not None:
-            self.proposer.kv = self._proposer_tier.warmup(self.proposer.kv)
+            self.proposer.kv = warm_page_moves(self.proposer.kv, self._put)
         self.warmed_up = True
         seconds = time.perf_counter() - start
         logger.info("warm-up compiled %d programs in %.1fs", len(programs), seconds)

@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
@@ -73,6 +73,24 @@ async def relay(client: httpx.AsyncClient, request: Request, url: str, content: 
 
     out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROPPED_HEADERS}
     return StreamingResponse(chunks(), response.status_code, out_headers)
+
+
+def client_lifespan(client: dict[str, httpx.AsyncClient], timeout: float | None,
+                    background: Callable[[], Any] | None = None) -> Callable[[Starlette], Any]:
+    """A Starlette lifespan that opens client["c"] (and runs `background()` as a task) while the app
+    serves, and closes them at shutdown."""
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        client["c"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        task = asyncio.create_task(background()) if background is not None else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+            await client["c"].aclose()
+    return lifespan
 
 
 def routing_key(body: dict) -> str:
@@ -147,16 +165,7 @@ def build_router(replicas: list[str], balance_slack: int = 8, balance_ratio: flo
                 healthy[i] = up
             await asyncio.sleep(HEALTH_INTERVAL)
 
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        client["c"] = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-        task = asyncio.create_task(poll_health())
-        try:
-            yield
-        finally:
-            task.cancel()
-            await client["c"].aclose()
+    lifespan = client_lifespan(client, None, poll_health)
 
     async def forward(request: Request) -> Response:
         raw = await request.body()

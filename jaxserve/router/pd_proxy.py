@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import httpx
 from starlette.applications import Starlette
@@ -23,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxserve.router.app import error, json_body, relay
+from jaxserve.router.app import client_lifespan, error, json_body, relay
 
 
 def prefill_body(body: dict) -> dict:
@@ -43,13 +41,7 @@ def build_pd_proxy(prefill: list[str], decode: list[str], timeout: float = 600.0
     first_decode = decode[0].rstrip("/")
     client: dict[str, httpx.AsyncClient] = {}
 
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        client["c"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
-        try:
-            yield
-        finally:
-            await client["c"].aclose()
+    lifespan = client_lifespan(client, timeout)
 
     async def forward(request: Request) -> Response:
         raw = await request.body()
