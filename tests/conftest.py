@@ -1,6 +1,8 @@
 """Test-wide settings: 8 fake CPU devices for sharding tests, no downloads, float32 matmuls."""
+import gc
 import os
 import sys
+from pathlib import Path
 
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -17,35 +19,47 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+import pytest  # noqa: E402
+
+from jaxserve.model_runner import ModelRunner  # noqa: E402
 
 
-
-# The persistent XLA compilation cache stays out of the shared test workers: writing an executable
-# to it has crashed a worker (segfault in jax's compilation_cache.put_executable_and_time, seen here
-# and, the same way, on CI), and an engine loaded in-process with the default directory would leave
-# it on for every later test of that worker. In-process engines use it only when a test names a
-# directory (tests/server/conftest.py's loaded_model does, and turns it off again); servers started
-# as subprocesses keep the default.
-import jaxserve.llm as _llm  # noqa: E402
-
-_enable_compilation_cache = _llm.enable_compilation_cache
+def _memory_maps() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
 
 
-def _named_directory_only(directory):
-    return None if directory is None else _enable_compilation_cache(directory)
+def _max_memory_maps() -> int:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 0  # not Linux: no limit to watch
 
 
-_llm.enable_compilation_cache = _named_directory_only
+# Every compiled XLA:CPU program holds a few memory maps (its JIT-linked code and data sections)
+# for as long as jax caches it, and an xdist worker compiles thousands of programs over the suite
+# (tests/spec/test_eagle3.py alone adds ~19,000 maps). At vm.max_map_count (65,530 by default)
+# mmap fails inside LLVM's JIT linker or jax's executable serializer, and the worker dies of SIGABRT
+# or SIGSEGV in some later test's compile: the late-suite worker crash seen on CI and here (the core
+# of one held 65,531 maps). Past a quarter of the limit, a worker drops every compiled program
+# between test files, then warms up again the engines still alive (session fixtures), so their
+# "no compilation after warm-up" assertions keep meaning what they say.
+_MAPS_BUDGET = _max_memory_maps() // 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _memory_map_budget():
+    yield  # autouse: set up first, so torn down after the module's own fixtures (its servers stopped)
+    if _MAPS_BUDGET and _memory_maps() > _MAPS_BUDGET:
+        jax.clear_caches()
+        gc.collect()
+        for runner in [o for o in gc.get_objects() if type(o) is ModelRunner and o.warmed_up]:
+            runner.warmed_up = False
+            runner.warmup()
 
 
 def pytest_runtest_teardown(item):
-    """tokamax stays out of the shared workers (tests/own_process.py says why), and so does the
-    persistent compilation cache (above)."""
+    """tokamax stays out of the shared workers (tests/own_process.py says why)."""
     if "tokamax" in sys.modules and os.environ.get("JAXSERVE_TEST_OWN_PROCESS") != "1":
         raise AssertionError(f"{item.nodeid} imported tokamax into a shared test worker: decorate it with "
                              "own_process.in_own_process")
-    if jax.config.jax_compilation_cache_dir is not None:
-        from jax._src import compilation_cache
-
-        jax.config.update("jax_compilation_cache_dir", None)
-        compilation_cache.reset_cache()

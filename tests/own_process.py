@@ -9,10 +9,9 @@ import sys
 def in_own_process(test):
     """Runs `test` in a fresh interpreter (a pytest of its own node id) and fails with its output.
 
-    For tests that import tokamax: its import loads jaxlib's GPU Mosaic and Triton extensions into
-    the process, after which later tests in the same xdist worker have died of segmentation faults
-    (on CI, mid-suite) — and pytest-xdist under `--dist loadfile` can hang after replacing a crashed
-    worker. A process of its own keeps those libraries out of the workers."""
+    For tests that import tokamax: its import loads jaxlib's GPU Mosaic and Triton extensions and
+    marks absl's flags parsed, process-wide; the shared workers stay the CPU process a user runs.
+    (The late-suite worker crashes once blamed on it were the memory-map limit: tests/conftest.py.)"""
     @functools.wraps(test)
     def run(*args, **kwargs):
         if os.environ.get("JAXSERVE_TEST_OWN_PROCESS") == "1":
