@@ -49,6 +49,17 @@ def _mesh(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _prefill_decode(text: str) -> tuple[int, int]:
+    """P:D, the prefill and decode instances of --disaggregate."""
+    try:
+        prefill, decode = (int(n) for n in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected P:D (e.g. 1:1), got {text!r}") from None
+    if prefill < 1 or decode < 1:
+        raise argparse.ArgumentTypeError(f"needs at least one prefill and one decode instance, got {text!r}")
+    return prefill, decode
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -256,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas on disjoint devices of this "
                    "host, one process each on PORT+1+i, behind a router on --port that balances by load and "
                    "prefix-cache affinity (docs/DEPLOY.md)")
+    g.add_argument("--disaggregate", type=_prefill_decode, default=None, metavar="P:D", help="prefill/decode "
+                   "disaggregation on this host in one command: P `--kv-role prefill` and D `--kv-role decode` "
+                   "instances on disjoint devices, one process each on PORT+1.., behind `jaxserve proxy` on --port "
+                   "(docs/DEPLOY.md) (default: off)")
     g = s.add_argument_group("multi-host (one model over the accelerators of several hosts; docs/DEPLOY.md)")
     g.add_argument("--num-hosts", type=int, default=1, help="processes that serve one model together, one per "
                    "host; every one runs this command with the same flags and its own --host-rank")
@@ -387,6 +402,17 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         uvicorn.run(build_pd_proxy(args.prefill, args.decode), host=args.host, port=args.port,
                     log_level=args.log_level, access_log=False)
         return 0
+    if args.command == "serve" and args.disaggregate is not None:
+        from jaxserve.router.replicas import serve_disaggregated
+
+        if args.data_parallel_size != 1 or args.num_hosts != 1 or args.kv_role is not None:
+            raise ValueError("--disaggregate starts its own prefill and decode instances: it does not combine with "
+                             "--data-parallel-size, --num-hosts or --kv-role")
+        data, model = _engine_config(args, "").mesh_shape
+        if not args.enable_prefix_caching:
+            raise ValueError("--disaggregate needs prefix caching (shipped pages are found by their prefix keys)")
+        prefill, decode = args.disaggregate
+        return serve_disaggregated(argv, prefill, decode, data * model, args.host, args.port, args.log_level)
     if args.command == "serve" and args.data_parallel_size != 1:
         from jaxserve.router.replicas import serve_data_parallel
 

@@ -1,12 +1,15 @@
 """Data-parallel replicas behind the router: `jaxserve serve --data-parallel-size 2` (two engine
 processes, one CPU device each) with the official openai client. 100 concurrent streams all
 complete and split within 20 % of even; a shared-prefix workload lands on one replica, whose
-prefix cache serves it. Plus the routing policy, the metrics relabelling and the replica set-up
-on their own."""
+prefix cache serves it. `serve --disaggregate 1:1` (a prefill and a decode instance behind the PD
+proxy, one command) gives the colocated output with the prompt's pages shipped. Neither launcher
+leaves a replica running after SIGTERM. Plus the routing policy, the metrics relabelling and the
+replica set-up on their own."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import httpx
 import openai
@@ -134,37 +138,54 @@ def _metric(text: str, name: str, replica: int) -> float:
     return total
 
 
-@pytest.fixture(scope="module")
-def data_parallel(tmp_path_factory):
-    port = _free_port_block(3)
-    log = tmp_path_factory.mktemp("dp") / "serve.log"
+@contextlib.contextmanager
+def _jaxserve_serve(flags: list[str], log: Path, ready: Callable[[], bool],
+                    replica_ports: range) -> Iterator[None]:
+    """`jaxserve serve FLAGS` (the tiny default model, small buckets) as a subprocess, yielded once
+    `ready()` holds; SIGTERM afterwards, after which no replica may still listen."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--data-parallel-size", "2", "--port", str(port),
-           "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len", "512", "--no-progress",
-           "--no-access-log"]
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *flags, "--max-num-seqs", "16", "--max-num-batched-tokens",
+           "256", "--max-model-len", "512", "--no-progress", "--no-access-log"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     try:
         while True:
             assert proc.poll() is None, log.read_text()[-4000:]
             try:
-                text = httpx.get(f"{url}/metrics", timeout=5).text
-                if all(_metric(text, "jaxserve_router:replica_healthy", i) == 1 for i in (0, 1)):
+                if ready():
                     break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(1)
-        yield url, log
+        yield
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(90)
+            assert proc.wait(150) == 0, log.read_text()[-4000:]
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+            raise
+        for port in replica_ports:
+            with socket.socket() as s:
+                assert s.connect_ex(("127.0.0.1", port)) != 0, f"a replica on port {port} outlived its launcher"
+
+
+@pytest.fixture(scope="module")
+def data_parallel(tmp_path_factory):
+    port = _free_port_block(3)
+    log = tmp_path_factory.mktemp("dp") / "serve.log"
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        return all(_metric(text, "jaxserve_router:replica_healthy", i) == 1 for i in (0, 1))
+
+    flags = ["--data-parallel-size", "2", "--port", str(port)]
+    with _jaxserve_serve(flags, log, ready, range(port + 1, port + 3)):
+        yield url, log
 
 
 async def _stream(client: openai.AsyncOpenAI, prompt: str, max_tokens: int = 8) -> str | None:
@@ -227,3 +248,45 @@ def test_the_router_passes_errors_through_and_refuses_bad_json(data_parallel):
     r = httpx.post(f"{url}/v1/completions", json={"model": "jaxserve-tiny", "prompt": "hi", "max_tokens": -3})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]  # the replica's own answer
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "jaxserve-tiny"
+
+
+# ---------------------------------------------------------------- prefill/decode in one command
+
+def _total(text: str, name: str) -> float:
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_disaggregate_starts_prefill_and_decode_instances_behind_the_proxy(tmp_path):
+    """`serve --disaggregate 1:1`: the PD proxy on PORT, a prefill instance on PORT+1, a decode
+    instance on PORT+2. A greedy completion through the proxy is the decode instance's own
+    (colocated) answer, and the prompt's pages went from the one to the other."""
+    port = _free_port_block(3)
+    url, prefill, decode = (f"http://127.0.0.1:{port + i}" for i in range(3))
+    prompt = "Disaggregation ships the pages of a prompt from the prefill instance to the decode one. " * 3
+    with _jaxserve_serve(["--disaggregate", "1:1", "--port", str(port)], tmp_path / "serve.log",
+                         lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200,
+                         range(port + 1, port + 3)):
+        def complete(base: str, **extra) -> str:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=300, max_retries=0)
+            return client.completions.create(model="jaxserve-tiny", prompt=prompt, max_tokens=12, temperature=0.0,
+                                             extra_body=extra).choices[0].text
+
+        through = complete(url)
+        exported = _total(httpx.get(f"{prefill}/metrics").text, "jaxserve:kv_exported_pages_total")
+        imported = _total(httpx.get(f"{decode}/metrics").text, "jaxserve:kv_imported_pages_total")
+        assert exported == imported > 0, (exported, imported)
+        assert through == complete(decode, cache_salt="computed here")  # no imported page can serve it
+        assert httpx.get(f"{prefill}/health").status_code == 200
+
+
+def test_disaggregate_refuses_what_it_cannot_combine(capsys):
+    from jaxserve.cli import main
+
+    for bad in ("0:1", "1", "a:b"):
+        with pytest.raises(SystemExit):
+            main(["serve", "--disaggregate", bad])
+        assert "--disaggregate" in capsys.readouterr().err
+    assert main(["serve", "--disaggregate", "1:1", "--kv-role", "decode"]) == 2
+    assert "does not combine with --data-parallel-size, --num-hosts or --kv-role" in capsys.readouterr().err
+    assert main(["serve", "--disaggregate", "1:1", "--no-enable-prefix-caching"]) == 2
+    assert "--disaggregate needs prefix caching" in capsys.readouterr().err

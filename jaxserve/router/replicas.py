@@ -1,23 +1,26 @@
-"""`jaxserve serve --data-parallel-size N`: N engine processes on disjoint device sets of this
-host, and the router in front of them on the requested port.
+"""`jaxserve serve --data-parallel-size N` and `--disaggregate P:D`: engine processes on disjoint
+device sets of this host, and in front of them on the requested port the router (N replicas) or
+the prefill/decode proxy (P `--kv-role prefill` and D `--kv-role decode` instances).
 
 Replica i runs `jaxserve serve` with the same flags on 127.0.0.1:(port + 1 + i) (its own /metrics
 there too), seeing only devices [i*d, (i+1)*d) of the host, d = the devices one replica's mesh
 uses. Devices are handed out through each platform's own variables, read before JAX starts: CPU
 (a process of d host devices), GPU (CUDA_VISIBLE_DEVICES), TPU (TPU_VISIBLE_CHIPS with per-process
 bounds, and a port of its own per process). The parent never starts a JAX backend: it would claim
-every device. SIGTERM/SIGINT stop the router, then every replica (each drains as `serve` does).
+every device. SIGTERM/SIGINT stop the front, then every replica (each drains as `serve` does); a
+replica also gets SIGTERM if the parent dies any other way (Linux), so none outlives it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import logging
 import os
 import signal
 import subprocess
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 logger = logging.getLogger("jaxserve.router")
 
@@ -59,8 +62,8 @@ def replica_env(platform: str, index: int, devices: int, env: dict[str, str]) ->
 
 
 def replica_argv(argv: Sequence[str], port: int) -> list[str]:
-    """`serve` flags for one replica: the user's, without the data-parallel size, host and port."""
-    drop = {"--data-parallel-size", "--host", "--port"}
+    """`serve` flags for one replica: the user's, without the replica layout, host and port."""
+    drop = {"--data-parallel-size", "--disaggregate", "--kv-role", "--host", "--port"}
     out, skip = [], False
     for a in argv:
         if skip:
@@ -74,27 +77,38 @@ def replica_argv(argv: Sequence[str], port: int) -> list[str]:
     return [*out, "--host", "127.0.0.1", "--port", str(port)]
 
 
-def serve_data_parallel(argv: Sequence[str], replicas: int, devices_per_replica: int, host: str, port: int,
-                        log_level: str = "info") -> int:
-    """Starts the replicas and serves the router until a signal; returns the exit code."""
-    import uvicorn
+def _die_with_parent() -> None:
+    """Popen preexec_fn: SIGTERM to the replica when its parent dies, however it dies (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
-    from jaxserve.router.app import build_router
+
+def serve_replicas(argv: Sequence[str], roles: Sequence[Sequence[str]], devices_per_replica: int, host: str,
+                   port: int, front: Callable[[list[str]], Any], log_level: str = "info") -> int:
+    """Starts one `serve` process per entry of `roles` (the flags that entry adds) and serves
+    `front(their URLs)` until a signal; returns the exit code."""
+    import uvicorn
 
     platform = local_platform()
     serve_at = argv.index("serve")
     procs = []
     urls = []
-    for i in range(replicas):
+    for i, role in enumerate(roles):
         rport = port + 1 + i
-        cmd = [sys.executable, "-m", "jaxserve.cli", *argv[:serve_at + 1], *replica_argv(argv[serve_at + 1:], rport)]
-        procs.append(subprocess.Popen(cmd, env=replica_env(platform, i, devices_per_replica, dict(os.environ))))
+        cmd = [sys.executable, "-m", "jaxserve.cli", *argv[:serve_at + 1], *replica_argv(argv[serve_at + 1:], rport),
+               *role]
+        procs.append(subprocess.Popen(cmd, env=replica_env(platform, i, devices_per_replica, dict(os.environ)),
+                                      preexec_fn=_die_with_parent))
         urls.append(f"http://127.0.0.1:{rport}")
-        logger.info("replica %d: pid %d on %s (devices %d..%d of this %s host)", i, procs[-1].pid, urls[-1],
-                    i * devices_per_replica, (i + 1) * devices_per_replica - 1, platform)
+        logger.info("replica %d%s: pid %d on %s (devices %d..%d of this %s host)", i, "".join(f" {a}" for a in role),
+                    procs[-1].pid, urls[-1], i * devices_per_replica, (i + 1) * devices_per_replica - 1, platform)
+    # uvicorn re-raises the SIGTERM it handled once it has stopped; with the default disposition that
+    # would end this process before the replicas below are stopped and waited for.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
-        logger.info("router on http://%s:%d over %d replicas", host, port, replicas)
-        uvicorn.run(build_router(urls), host=host, port=port, log_level=log_level, access_log=False)
+        logger.info("serving http://%s:%d over %d replicas", host, port, len(roles))
+        uvicorn.run(front(urls), host=host, port=port, log_level=log_level, access_log=False)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -107,3 +121,21 @@ def serve_data_parallel(argv: Sequence[str], replicas: int, devices_per_replica:
                 p.wait()
             logger.info("replica %d exited with %d", i, p.returncode)
     return 0
+
+
+def serve_data_parallel(argv: Sequence[str], replicas: int, devices_per_replica: int, host: str, port: int,
+                        log_level: str = "info") -> int:
+    """`serve --data-parallel-size`: the replicas behind the router."""
+    from jaxserve.router.app import build_router
+
+    return serve_replicas(argv, [()] * replicas, devices_per_replica, host, port, build_router, log_level)
+
+
+def serve_disaggregated(argv: Sequence[str], prefill: int, decode: int, devices_per_replica: int, host: str,
+                        port: int, log_level: str = "info") -> int:
+    """`serve --disaggregate P:D`: P prefill and D decode instances behind the PD proxy."""
+    from jaxserve.router.pd_proxy import build_pd_proxy
+
+    roles = [("--kv-role", "prefill")] * prefill + [("--kv-role", "decode")] * decode
+    return serve_replicas(argv, roles, devices_per_replica, host, port,
+                          lambda urls: build_pd_proxy(urls[:prefill], urls[prefill:]), log_level)
