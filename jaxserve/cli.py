@@ -260,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--kv-transport", choices=("http", "jax"), default="http", help="how a --kv-role decode "
+                   "instance fetches a prompt's pages: http (host-staged bytes over HTTP, every backend) or jax "
+                   "(jax.experimental.transfer: device to device where the backend supports it; the prefill "
+                   "instance offers them on a transfer server listening on its --host)")
     g.add_argument("--vllm-metric-names", action="store_true",
                    help="/metrics also exposes the queue, running and KV-cache gauges, cache_config_info and "
                    "lora_requests_info under vLLM's names, which gateway endpoint pickers (Gateway API Inference "
@@ -435,7 +439,8 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
                                   reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                                   enable_auto_tool_choice=args.enable_auto_tool_choice,
                                   allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                                  vllm_metric_names=args.vllm_metric_names)
+                                  vllm_metric_names=args.vllm_metric_names, kv_transport=args.kv_transport,
+                                  kv_transfer_host=args.host)
         engine_cfg = _engine_config(args, names[0])
         multi = None
         if args.num_hosts != 1:

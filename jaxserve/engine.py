@@ -184,33 +184,60 @@ class EngineCore:
             self._kv_jobs.append(run)
         return fut
 
-    def export_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> "Future[list[Any]]":
-        """The K/V (host arrays, ModelRunner.read_pages' layout) of the full pages of `token_ids` this
-        engine's prefix cache holds on the device, from the first."""
-        def job() -> list[Any]:
+    def export_prefix(self, token_ids: list[int], cache_salt: str | None = None,
+                      offer_on: str | None = None) -> "Future[Any]":
+        """The K/V of the full pages of `token_ids` this engine's prefix cache holds on the device,
+        from the first: host arrays (ModelRunner.export_pages' layout), or with `offer_on` (a bind
+        host) an offer on this process's jax.experimental.transfer server (kv_pull.py)."""
+        def job() -> Any:
             pages = self.allocator.device_prefix(token_ids, self.scheduler.namespace(None, cache_salt))
             self.num_exported_pages += len(pages)
-            return self.runner.export_pages(pages)
+            return self.runner.export_pages(pages) if offer_on is None else self.runner.offer_pages(pages, offer_on)
         return self._queue(job)
 
     def import_prefix(self, token_ids: list[int], cache_salt: str | None, num_pages: int,
                       leaves: list[Any]) -> "Future[int]":
-        """Enters the first `num_pages` full pages of `token_ids`, whose K/V is `leaves`, into the
-        prefix cache (pages already cached are kept); the future gives the pages written."""
+        """Enters the first `num_pages` full pages of `token_ids`, whose K/V is `leaves` (host
+        arrays), into the prefix cache (pages already cached are kept); the future gives the pages
+        written."""
+        def write(pairs: list[tuple[int, int]]) -> None:
+            if pairs:
+                rows = [i for i, _ in pairs]
+                self.runner.import_pages([p for _, p in pairs], [leaf[rows] for leaf in leaves])
+
+        def fetch() -> Any:
+            self.runner.check_pages([(tuple(leaf.shape[1:]), leaf.dtype.name) for leaf in leaves])
+        return self._import(token_ids, cache_salt, num_pages, fetch, lambda _, pairs: write(pairs))
+
+    def pull_prefix(self, token_ids: list[int], cache_salt: str | None, host: str, offer: dict,
+                    bind_host: str) -> "Future[int]":
+        """import_prefix for pages a prefill instance offered over jax.experimental.transfer
+        (kv_pull.py): pulled from `host` onto this pool's devices before any page is keyed."""
+        def write(runs: list[Any], pairs: list[tuple[int, int]]) -> None:
+            dst = [self.runner.num_pages] * offer["pages"]  # out of bounds: a row already cached is dropped
+            for row, page in pairs:
+                dst[row] = page
+            self.runner.write_pulled(runs, dst)
+        return self._import(token_ids, cache_salt, int(offer["pages"]),
+                            lambda: self.runner.pull_pages(host, offer, bind_host), write)
+
+    def _import(self, token_ids: list[int], cache_salt: str | None, num_pages: int, fetch: Callable[[], Any],
+                write: Callable[[Any, list[tuple[int, int]]], None]) -> "Future[int]":
+        """Keys the first `num_pages` full pages of `token_ids` in the prefix cache once fetch() has
+        their K/V (it raises ValueError when they cannot be used: nothing is keyed), then
+        write(fetched, [(row, page)]) fills the pages it took."""
         if num_pages * self.engine_cfg.page_size > len(token_ids):
             raise ValueError(f"{num_pages} pages of K/V for {len(token_ids)} tokens")
 
         def job() -> int:
             if num_pages == 0:  # a prompt shorter than a page: nothing was cached to ship
                 return 0
-            self.runner.check_pages(leaves)  # before any page is keyed
+            fetched = fetch()
             pairs = self.allocator.import_pages(token_ids, self.scheduler.namespace(None, cache_salt), num_pages)
             moves = self.allocator.drain_transfers()  # pages the import took were demoted: read them first
             if moves.demotions or moves.promotions:
                 self.runner.move_pages(moves.demotions, moves.promotions)
-            if pairs:
-                rows = [i for i, _ in pairs]
-                self.runner.import_pages([p for _, p in pairs], [leaf[rows] for leaf in leaves])
+            write(fetched, pairs)
             self.num_imported_pages += len(pairs)
             return len(pairs)
         return self._queue(job)

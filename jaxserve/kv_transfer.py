@@ -9,7 +9,12 @@ the request, whose prompt is then a prefix-cache hit but for its last token. So 
 generates every output token itself, with the same keys and sampler as a colocated server: its
 outputs are the colocated ones, greedy or seeded.
 
-Wire format: 4-byte little-endian header length, a JSON header {"pages": n, "leaves": [[dtype,
+Two transports (`serve --kv-transport`, chosen by the decode instance): `http` ships the pages'
+bytes in the export's response (HttpKVTransport, below); `jax` asks the prefill instance to offer
+them on its jax.experimental.transfer server and pulls them device to device (JaxKVTransport
+fetches the offer; kv_pull.py moves the arrays).
+
+Wire format (http): 4-byte little-endian header length, a JSON header {"pages": n, "leaves": [[dtype,
 shape], ...]}, then each leaf's bytes in order (the pool's jax.tree.leaves order; [n, ...] each).
 """
 
@@ -48,30 +53,62 @@ def decode_pages(payload: bytes) -> tuple[int, list[np.ndarray]]:
         raise ValueError(f"not a KV page payload: {e}") from None
 
 
-class KVTransport(Protocol):
-    async def fetch(self, remote_url: str, prompt_token_ids: list[int], cache_salt: str | None) -> bytes:
-        """The page payload for a prompt; raises TransferError naming the remote and the problem."""
-
-
 class TransferError(RuntimeError):
     pass
+
+
+async def _export(remote_url: str, body: dict, timeout: float) -> httpx.Response:
+    """POST /v1/kv/export on a prefill instance; TransferError naming the remote on failure."""
+    url = remote_url.rstrip("/") + "/v1/kv/export"
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            r = await client.post(url, json=body)
+    except httpx.TimeoutException:
+        raise TransferError(f"the KV transfer from {remote_url} timed out after {timeout:g}s") from None
+    except httpx.HTTPError as e:
+        raise TransferError(f"the KV transfer from {remote_url} failed: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise TransferError(f"the KV transfer from {remote_url} failed: HTTP {r.status_code}: {r.text[:200]}")
+    return r
+
+
+class KVTransport(Protocol):
+    name: str
+
+    async def fetch(self, remote_url: str, prompt_token_ids: list[int], cache_salt: str | None) -> bytes | dict:
+        """What the prefill instance exports for a prompt (the page payload, or an offer to pull);
+        raises TransferError naming the remote and the problem."""
 
 
 class HttpKVTransport:
     """Host-staged over HTTP (TCP): the prefill instance's /v1/kv/export. Works on every backend."""
 
+    name = "http"
+
     def __init__(self, timeout: float = 30.0) -> None:
         self.timeout = timeout
 
     async def fetch(self, remote_url: str, prompt_token_ids: list[int], cache_salt: str | None) -> bytes:
-        url = remote_url.rstrip("/") + "/v1/kv/export"
+        body = {"prompt_token_ids": prompt_token_ids, "cache_salt": cache_salt}
+        return (await _export(remote_url, body, self.timeout)).content
+
+
+class JaxKVTransport:
+    """jax.experimental.transfer: the export answers with an offer (kv_pull.TransferEndpoint.offer)
+    that the decode engine pulls from the prefill instance's transfer server."""
+
+    name = "jax"
+
+    def __init__(self, timeout: float = 30.0) -> None:
+        self.timeout = timeout
+
+    async def fetch(self, remote_url: str, prompt_token_ids: list[int], cache_salt: str | None) -> dict:
+        body = {"prompt_token_ids": prompt_token_ids, "cache_salt": cache_salt, "transport": "jax"}
+        r = await _export(remote_url, body, self.timeout)
         try:
-            async with httpx.AsyncClient(timeout=self.timeout) as client:
-                r = await client.post(url, json={"prompt_token_ids": prompt_token_ids, "cache_salt": cache_salt})
-        except httpx.TimeoutException:
-            raise TransferError(f"the KV transfer from {remote_url} timed out after {self.timeout:g}s") from None
-        except httpx.HTTPError as e:
-            raise TransferError(f"the KV transfer from {remote_url} failed: {type(e).__name__}: {e}") from None
-        if r.status_code != 200:
-            raise TransferError(f"the KV transfer from {remote_url} failed: HTTP {r.status_code}: {r.text[:200]}")
-        return r.content
+            offer = r.json()
+            if not all(k in offer for k in ("pages", "port", "uuid", "runs", "leaves", "bytes")):
+                raise ValueError(f"fields missing: {sorted(offer)}")
+        except ValueError as e:
+            raise TransferError(f"the KV transfer from {remote_url} failed: not an offer: {e}") from None
+        return offer

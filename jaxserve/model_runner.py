@@ -31,6 +31,7 @@ from jaxserve.capacity import plan_capacity, swap_costs
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.machine import machine_info
 from jaxserve.host_tier import HostTier, read_pages, warm_page_moves, write_pages
+from jaxserve.kv_pull import TransferEndpoint, write_runs
 from jaxserve.layouts import layout_rules
 from jaxserve.model.attention import make_attention
 from jaxserve.model.expert_parallel import make_moe
@@ -122,6 +123,7 @@ class ModelRunner:
         self.kv = kv_cache.allocate(model_cfg, num_pages, engine_cfg.page_size, kv_dtype(engine_cfg, self.dtype), mesh,
                                    rules)
         self.num_pages = num_pages
+        self._transfer: TransferEndpoint | None = None  # PD over jax.experimental.transfer, on first use
         self._replicated = sharding.replicated(mesh)
         self.host_tier = HostTier(self.kv, self._put) if engine_cfg.kv_offload_gib else None
         page_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.kv)) // num_pages  # all devices' shards
@@ -196,10 +198,10 @@ class ModelRunner:
         """The K/V of `pages`, on the host (waits for the device): a prefill instance's export."""
         return read_pages(self.kv, pages, self._put)
 
-    def check_pages(self, leaves: list[np.ndarray]) -> None:
-        """ValueError when K/V exported by another instance is shaped differently from this pool's."""
+    def check_pages(self, theirs: list[tuple[tuple[int, ...], str]]) -> None:
+        """ValueError when K/V exported by another instance (per leaf: one page's shape, dtype
+        name) is shaped differently from this pool's."""
         mine = [(a.shape[1:], a.dtype.name) for a in jax.tree.leaves(self.kv)]
-        theirs = [(tuple(l.shape[1:]), l.dtype.name) for l in leaves]
         if [s for s, _ in mine] != [s for s, _ in theirs]:
             raise ValueError(f"the remote instance's KV pages do not fit this pool: {len(theirs)} arrays of "
                              f"{theirs[0] if theirs else None}, this pool {len(mine)} of {mine[0]} (same model, "
@@ -210,6 +212,28 @@ class ModelRunner:
         before = CompileCounter.count()
         self.kv = write_pages(self.kv, pages, leaves, self._put)
         self._count_compilations(before, what=f"importing {len(pages)} KV pages")
+
+    def offer_pages(self, pages: list[int], bind_host: str) -> dict:
+        """A prefill instance's export over jax.experimental.transfer (kv_pull.py): `pages` offered
+        for one pull; returns the offer (JSON-able)."""
+        return self._transfer_endpoint(bind_host).offer(self.kv, pages, self._put)
+
+    def pull_pages(self, host: str, offer: dict, bind_host: str) -> list[Any]:
+        """Pulls the pages another instance offered onto this pool's devices (not into the pool:
+        write_pulled does that once they are keyed). ValueError when they do not fit or fail."""
+        self.check_pages([(tuple(shape), dtype) for dtype, shape in offer["leaves"]])
+        return self._transfer_endpoint(bind_host).pull(self.kv, host, offer)
+
+    def write_pulled(self, runs: list[Any], dst: list[int]) -> None:
+        """Writes pulled rows into pages `dst` (one per row; self.num_pages drops a row)."""
+        before = CompileCounter.count()
+        self.kv = write_runs(self.kv, runs, dst, self._put)
+        self._count_compilations(before, what=f"writing {len(dst)} pulled KV pages")
+
+    def _transfer_endpoint(self, bind_host: str) -> TransferEndpoint:
+        if self._transfer is None:
+            self._transfer = TransferEndpoint(bind_host)
+        return self._transfer
 
     def _copy_pages(self, copies: np.ndarray) -> None:
         if len(copies):

@@ -6,17 +6,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from starlette.requests import Request
-from starlette.responses import Response
+from urllib.parse import urlparse
 
-from jaxserve.kv_transfer import HttpKVTransport, KVTransport, TransferError, decode_pages, encode_pages
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxserve.kv_transfer import (HttpKVTransport, JaxKVTransport, KVTransport, TransferError, decode_pages,
+                                  encode_pages)
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import parse_json_body
 from jaxserve.server.state import ServerState
 
 logger = logging.getLogger("jaxserve.kv_transfer")
 
-TRANSPORT: KVTransport = HttpKVTransport()
+TRANSPORTS: dict[str, KVTransport] = {t.name: t for t in (HttpKVTransport(), JaxKVTransport())}
 
 
 async def export(state: ServerState, request: Request) -> Response:
@@ -29,6 +32,12 @@ async def export(state: ServerState, request: Request) -> Response:
         raise bad_request("'prompt_token_ids' must be a list of token ids", "prompt_token_ids")
     if salt is not None and not isinstance(salt, str):
         raise bad_request("'cache_salt' must be a string", "cache_salt")
+    transport = body.get("transport", "http")
+    if transport not in TRANSPORTS:
+        raise bad_request(f"'transport' must be one of {sorted(TRANSPORTS)}, got {transport!r}", "transport")
+    if transport == "jax":  # an offer on this process's transfer server (kv_pull.py), pulled by the caller
+        offer = await asyncio.wrap_future(state.core.export_prefix(ids, salt, offer_on=state.config.kv_transfer_host))
+        return JSONResponse(offer)
     leaves = await asyncio.wrap_future(state.core.export_prefix(ids, salt))
     return Response(encode_pages(leaves), media_type="application/octet-stream")
 
@@ -51,16 +60,23 @@ async def import_prompts(state: ServerState, remote: str, prompts: list[list[int
     """Fetches each prompt's pages from `remote` and enters them into this engine's prefix cache;
     returns the pages written. A failed or misfit transfer fails the request (502/504) before
     anything is submitted; pages already imported stay cached (valid K/V under their keys)."""
+    transport = TRANSPORTS[state.config.kv_transport]
     written = 0
     for ids in prompts:
         try:
             t0 = time.perf_counter()
-            payload = await TRANSPORT.fetch(remote, ids, cache_salt)
-            num_pages, leaves = decode_pages(payload)
-            written += await asyncio.wrap_future(state.core.import_prefix(ids, cache_salt, num_pages, leaves))
+            fetched = await transport.fetch(remote, ids, cache_salt)
+            if isinstance(fetched, dict):  # an offer: the engine pulls the pages from the remote's transfer server
+                num_pages, nbytes = int(fetched["pages"]), int(fetched["bytes"])
+                done = state.core.pull_prefix(ids, cache_salt, urlparse(remote).hostname, fetched,
+                                              state.config.kv_transfer_host)
+            else:
+                (num_pages, leaves), nbytes = decode_pages(fetched), len(fetched)
+                done = state.core.import_prefix(ids, cache_salt, num_pages, leaves)
+            written += await asyncio.wrap_future(done)
             seconds = time.perf_counter() - t0
-            logger.info("KV transfer: %d pages (%.2f MiB) from %s in %.1f ms (%.0f MiB/s)", num_pages,
-                        len(payload) / 2**20, remote, seconds * 1e3, len(payload) / 2**20 / max(seconds, 1e-9))
+            logger.info("KV transfer (%s): %d pages (%.2f MiB) from %s in %.1f ms (%.0f MiB/s)", transport.name,
+                        num_pages, nbytes / 2**20, remote, seconds * 1e3, nbytes / 2**20 / max(seconds, 1e-9))
         except TransferError as e:
             raise APIError(504 if "timed out" in str(e) else 502, str(e), "kv_transfer_error", "kv_transfer_params",
                            "kv_transfer_failed") from None

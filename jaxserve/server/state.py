@@ -47,6 +47,8 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     vllm_metric_names: bool = False            # /metrics also under vLLM's names (gateway endpoint pickers)
+    kv_transport: str = "http"                 # PD decode instance: how it fetches pages ("http" | "jax")
+    kv_transfer_host: str = "127.0.0.1"        # PD: where this instance's jax.experimental.transfer server listens
     on_ready: Callable[["ServerState"], None] | None = None          # called on the loader thread
     on_load_failed: Callable[[BaseException], None] | None = None   # called on the loader thread
 
@@ -64,6 +66,8 @@ class ServerConfig:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (known: "
                              f"{', '.join(sorted(TOOL_PARSERS))})")
+        if self.kv_transport not in ("http", "jax"):
+            raise ValueError(f"--kv-transport must be http or jax, got {self.kv_transport!r}")
         self.parsers()  # unknown names fail at start-up
 
     def parsers(self) -> tuple[type | None, type]:

@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation on this machine: a `--kv-role prefill` server, a `--kv-role decode`
 server and `jaxserve proxy` in front (real uvicorn servers, the official openai client). Through
 the proxy the outputs are those of one colocated server, greedy and seeded, streamed or not; the
-decode instance imports the prompt's pages and computes only the prompt's last page itself; a
+decode instance imports the prompt's pages (host-staged over HTTP, or pulled over
+jax.experimental.transfer) and computes only the prompt's last page itself; a
 prefill instance that cannot be reached fails the request with a clear error and harms nothing."""
 
 from __future__ import annotations
@@ -30,11 +31,16 @@ def pd():
     from jaxserve.llm import load_engine_core
     from jaxserve.router.pd_proxy import build_pd_proxy
 
-    servers = {role: start_server(load_engine_core(None, EngineConfig(model_id=MODEL, kv_role=role, **TEST_ENGINE)))
-               for role in ("prefill", "decode")}
+    def core(role: str):  # noqa: ANN202
+        return load_engine_core(None, EngineConfig(model_id=MODEL, kv_role=role, **TEST_ENGINE))
+
+    servers = {"prefill": start_server(core("prefill")), "decode": start_server(core("decode")),
+               "decode-jax": start_server(core("decode"), kv_transport="jax")}
     proxy = Proxy(build_pd_proxy([servers["prefill"].url], [servers["decode"].url]))
+    servers["proxy-jax"] = Proxy(build_pd_proxy([servers["prefill"].url], [servers["decode-jax"].url]))
     yield servers, proxy
-    proxy.server.should_exit = True
+    for s in (proxy, servers.pop("proxy-jax")):
+        s.server.should_exit = True
     for s in servers.values():
         s.stop()
 
@@ -63,6 +69,27 @@ def test_the_proxy_gives_the_colocated_output(pd, params, stream):
         assert got == _ask(servers["prefill"].url, prompt, stream, **params)  # colocated: it computed all itself
     assert servers["prefill"].metrics()["jaxserve:kv_exported_pages_total"] > 0
     assert decode.metrics()["jaxserve:compilations_after_warmup_total"] == 0
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8, seed=7)], ids=["greedy", "seeded"])
+def test_pages_pulled_over_jax_transfer_give_the_colocated_output(pd, params):
+    """--kv-transport jax: the decode instance pulls the offered pages from the prefill instance's
+    jax.experimental.transfer server onto its own devices (kv_pull.py)."""
+    servers, _ = pd
+    decode = servers["decode-jax"]
+    for i, prompt in enumerate(PROMPTS):
+        prompt = f"jax{i}{params.get('seed')} {prompt}"
+        before, exported = decode.metrics(), servers["prefill"].metrics()["jaxserve:kv_exported_pages_total"]
+        got = _ask(servers["proxy-jax"].url, prompt, False, **params)
+        after = decode.metrics()
+        imported = after["jaxserve:kv_imported_pages_total"] - before["jaxserve:kv_imported_pages_total"]
+        hits = after["jaxserve:prefix_cache_hits_total"] - before["jaxserve:prefix_cache_hits_total"]
+        assert imported >= 2 and hits == imported * 16
+        assert servers["prefill"].metrics()["jaxserve:kv_exported_pages_total"] - exported == imported
+        assert got == _ask(servers["prefill"].url, prompt, False, **params)
+    assert decode.metrics()["jaxserve:compilations_after_warmup_total"] == 0
+    decode.wait_idle()
+    decode.state.core.allocator.check_invariants()
 
 
 def test_chat_through_the_proxy(pd):

@@ -1,0 +1,82 @@
+"""PD disaggregation's device transport (`--kv-transport jax`): a prefill instance offers a prompt's
+pages as device arrays on a jax.experimental.transfer server, and the decode instance pulls them
+straight into arrays placed like its own pool — device to device where the backend supports it
+(each addressable shard moves on its own), through host sockets on a CPU. Nothing is staged in
+Python bytes, unlike the HTTP transport (kv_transfer.py).
+
+An offer is the pages in power-of-two runs (host_tier.power_of_two_runs: the same gather and
+scatter programs as the host tier, warmed up once), each run every pool leaf [W, ...]. The
+decode instance pulls before any page is keyed in its prefix cache, so a failed pull leaves
+nothing behind; then it scatters each pulled row into its page (rows it already caches go to
+an out-of-bounds page: dropped).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxserve import kv_cache
+from jaxserve.host_tier import gather_pages, power_of_two_runs, scatter_pages
+
+
+class TransferEndpoint:
+    """This process's transfer server (offers pages; connects to other instances' servers)."""
+
+    def __init__(self, bind_host: str) -> None:
+        from jax.experimental import transfer
+
+        self._server = transfer.start_transfer_server(jax.devices()[0].client, f"{bind_host}:0", [f"{bind_host}:0"])
+        self._connections: dict[str, Any] = {}
+
+    @property
+    def port(self) -> int:
+        return int(self._server.address().rsplit(":", 1)[1])
+
+    def offer(self, kv: kv_cache.KVPages, pages: list[int], put: Callable[[np.ndarray], jax.Array]) -> dict:
+        """Offers the K/V of `pages` for one pull; returns what the puller needs (JSON-able)."""
+        runs, arrays, start = power_of_two_runs(len(pages)), [], 0
+        for width in runs:
+            arrays += jax.tree.leaves(gather_pages(kv, put(np.asarray(pages[start:start + width], np.int32))))
+            start += width
+        uuid = secrets.randbits(62)
+        if arrays:
+            self._server.await_pull(uuid, arrays)
+        return {"pages": len(pages), "port": self.port, "uuid": uuid, "runs": runs,
+                "bytes": int(sum(a.nbytes for a in arrays)),
+                "leaves": [[leaf.dtype.name, list(leaf.shape[1:])] for leaf in jax.tree.leaves(kv)]}
+
+    def pull(self, kv: kv_cache.KVPages, host: str, offer: dict) -> list[kv_cache.KVPages]:
+        """The offered runs, placed like `kv` (one KVPages of W pages per run). Raises ValueError
+        naming the remote when the pull fails."""
+        if not offer["runs"]:
+            return []
+        address = f"{host}:{offer['port']}"
+        leaves, treedef = jax.tree.flatten(kv)
+        specs = [jax.ShapeDtypeStruct((width, *leaf.shape[1:]), leaf.dtype, sharding=leaf.sharding)
+                 for width in offer["runs"] for leaf in leaves]
+        try:
+            if address not in self._connections:
+                self._connections[address] = self._server.connect(address)
+            arrays = self._connections[address].pull(offer["uuid"], specs)
+            jax.block_until_ready(arrays)
+        except Exception as e:  # the transfer library raises its runtime's errors: name the remote
+            self._connections.pop(address, None)
+            raise ValueError(f"pulling the pages from {address} failed: {type(e).__name__}: {e}") from None
+        n = len(leaves)
+        return [jax.tree.unflatten(treedef, arrays[i * n:(i + 1) * n]) for i in range(len(offer["runs"]))]
+
+
+def write_runs(kv: kv_cache.KVPages, runs: list[kv_cache.KVPages], dst: list[int],
+               put: Callable[[np.ndarray], jax.Array]) -> kv_cache.KVPages:
+    """Scatters pulled runs' rows into pages `dst` (one per row, in order; an out-of-bounds page
+    drops its row). Returns the pool (donated and replaced)."""
+    start = 0
+    for run in runs:
+        width = jax.tree.leaves(run)[0].shape[0]
+        kv = scatter_pages(kv, run, put(np.asarray(dst[start:start + width], np.int32)))
+        start += width
+    return kv
