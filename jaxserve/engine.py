@@ -200,14 +200,14 @@ class EngineCore:
         """Enters the first `num_pages` full pages of `token_ids`, whose K/V is `leaves` (host
         arrays), into the prefix cache (pages already cached are kept); the future gives the pages
         written."""
-        def write(pairs: list[tuple[int, int]]) -> None:
+        def check() -> None:
+            self.runner.check_pages([(tuple(leaf.shape[1:]), leaf.dtype.name) for leaf in leaves])
+
+        def write(_: None, pairs: list[tuple[int, int]]) -> None:
             if pairs:
                 rows = [i for i, _ in pairs]
                 self.runner.import_pages([p for _, p in pairs], [leaf[rows] for leaf in leaves])
-
-        def fetch() -> Any:
-            self.runner.check_pages([(tuple(leaf.shape[1:]), leaf.dtype.name) for leaf in leaves])
-        return self._import(token_ids, cache_salt, num_pages, fetch, lambda _, pairs: write(pairs))
+        return self._import(token_ids, cache_salt, num_pages, check, write)
 
     def pull_prefix(self, token_ids: list[int], cache_salt: str | None, host: str, offer: dict,
                     bind_host: str) -> "Future[int]":
