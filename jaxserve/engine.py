@@ -209,17 +209,21 @@ class EngineCore:
                 self.runner.import_pages([p for _, p in pairs], [leaf[rows] for leaf in leaves])
         return self._import(token_ids, cache_salt, num_pages, check, write)
 
-    def pull_prefix(self, token_ids: list[int], cache_salt: str | None, host: str, offer: dict,
-                    bind_host: str) -> "Future[int]":
-        """import_prefix for pages a prefill instance offered over jax.experimental.transfer
-        (kv_pull.py): pulled from `host` onto this pool's devices before any page is keyed."""
-        def write(runs: list[Any], pairs: list[tuple[int, int]]) -> None:
+    def pull_offer(self, host: str, offer: dict, bind_host: str) -> list[Any]:
+        """The pages a prefill instance offered over jax.experimental.transfer (kv_pull.py), pulled
+        from `host` onto this pool's devices; blocks the calling thread (not the engine's) until
+        they land. ValueError when they do not fit or the pull fails."""
+        return self.runner.pull_pages(host, offer, bind_host)
+
+    def import_pulled(self, token_ids: list[int], cache_salt: str | None, offer: dict,
+                      runs: list[Any]) -> "Future[int]":
+        """import_prefix for pages pull_offer brought onto the devices."""
+        def write(_: None, pairs: list[tuple[int, int]]) -> None:
             dst = [self.runner.num_pages] * offer["pages"]  # out of bounds: a row already cached is dropped
             for row, page in pairs:
                 dst[row] = page
             self.runner.write_pulled(runs, dst)
-        return self._import(token_ids, cache_salt, int(offer["pages"]),
-                            lambda: self.runner.pull_pages(host, offer, bind_host), write)
+        return self._import(token_ids, cache_salt, int(offer["pages"]), lambda: None, write)
 
     def _import(self, token_ids: list[int], cache_salt: str | None, num_pages: int, fetch: Callable[[], Any],
                 write: Callable[[Any, list[tuple[int, int]]], None]) -> "Future[int]":

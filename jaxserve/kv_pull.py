@@ -14,6 +14,7 @@ an out-of-bounds page: dropped).
 from __future__ import annotations
 
 import secrets
+import threading
 from typing import Any, Callable
 
 import jax
@@ -31,6 +32,7 @@ class TransferEndpoint:
 
         self._server = transfer.start_transfer_server(jax.devices()[0].client, f"{bind_host}:0", [f"{bind_host}:0"])
         self._connections: dict[str, Any] = {}
+        self._lock = threading.Lock()  # pulls run on the server's worker threads
 
     @property
     def port(self) -> int:
@@ -50,8 +52,9 @@ class TransferEndpoint:
                 "leaves": [[leaf.dtype.name, list(leaf.shape[1:])] for leaf in jax.tree.leaves(kv)]}
 
     def pull(self, kv: kv_cache.KVPages, host: str, offer: dict) -> list[kv_cache.KVPages]:
-        """The offered runs, placed like `kv` (one KVPages of W pages per run). Raises ValueError
-        naming the remote when the pull fails."""
+        """The offered runs, placed like `kv` (one KVPages of W pages per run); blocks until they
+        landed. Reads only the pool's shapes and shardings, so any thread may call it while steps
+        run. Raises ValueError naming the remote when the pull fails."""
         if not offer["runs"]:
             return []
         address = f"{host}:{offer['port']}"
@@ -59,12 +62,15 @@ class TransferEndpoint:
         specs = [jax.ShapeDtypeStruct((width, *leaf.shape[1:]), leaf.dtype, sharding=leaf.sharding)
                  for width in offer["runs"] for leaf in leaves]
         try:
-            if address not in self._connections:
-                self._connections[address] = self._server.connect(address)
-            arrays = self._connections[address].pull(offer["uuid"], specs)
+            with self._lock:
+                if address not in self._connections:
+                    self._connections[address] = self._server.connect(address)
+                connection = self._connections[address]
+            arrays = connection.pull(offer["uuid"], specs)
             jax.block_until_ready(arrays)
         except Exception as e:  # the transfer library raises its runtime's errors: name the remote
-            self._connections.pop(address, None)
+            with self._lock:
+                self._connections.pop(address, None)
             raise ValueError(f"pulling the pages from {address} failed: {type(e).__name__}: {e}") from None
         n = len(leaves)
         return [jax.tree.unflatten(treedef, arrays[i * n:(i + 1) * n]) for i in range(len(offer["runs"]))]

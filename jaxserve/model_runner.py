@@ -124,6 +124,7 @@ class ModelRunner:
                                    rules)
         self.num_pages = num_pages
         self._transfer: TransferEndpoint | None = None  # PD over jax.experimental.transfer, on first use
+        self._transfer_lock = threading.Lock()
         self._replicated = sharding.replicated(mesh)
         self.host_tier = HostTier(self.kv, self._put) if engine_cfg.kv_offload_gib else None
         page_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.kv)) // num_pages  # all devices' shards
@@ -220,7 +221,8 @@ class ModelRunner:
 
     def pull_pages(self, host: str, offer: dict, bind_host: str) -> list[Any]:
         """Pulls the pages another instance offered onto this pool's devices (not into the pool:
-        write_pulled does that once they are keyed). ValueError when they do not fit or fail."""
+        write_pulled does that once they are keyed). ValueError when they do not fit or fail.
+        Any thread, while steps run: it reads only the pool's shapes and shardings."""
         self.check_pages([(tuple(shape), dtype) for dtype, shape in offer["leaves"]])
         return self._transfer_endpoint(bind_host).pull(self.kv, host, offer)
 
@@ -231,9 +233,10 @@ class ModelRunner:
         self._count_compilations(before, what=f"writing {len(dst)} pulled KV pages")
 
     def _transfer_endpoint(self, bind_host: str) -> TransferEndpoint:
-        if self._transfer is None:
-            self._transfer = TransferEndpoint(bind_host)
-        return self._transfer
+        with self._transfer_lock:
+            if self._transfer is None:
+                self._transfer = TransferEndpoint(bind_host)
+            return self._transfer
 
     def _copy_pages(self, copies: np.ndarray) -> None:
         if len(copies):

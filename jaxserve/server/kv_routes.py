@@ -66,10 +66,10 @@ async def import_prompts(state: ServerState, remote: str, prompts: list[list[int
         try:
             t0 = time.perf_counter()
             fetched = await transport.fetch(remote, ids, cache_salt)
-            if isinstance(fetched, dict):  # an offer: the engine pulls the pages from the remote's transfer server
+            if isinstance(fetched, dict):  # an offer: pulled on a worker thread, so steps go on meanwhile
                 num_pages, nbytes = int(fetched["pages"]), int(fetched["bytes"])
-                done = state.core.pull_prefix(ids, cache_salt, urlparse(remote).hostname, fetched,
-                                              state.config.kv_transfer_host)
+                runs = await _pull(state, remote, fetched, transport.timeout) if num_pages else []
+                done = state.core.import_pulled(ids, cache_salt, fetched, runs)
             else:
                 (num_pages, leaves), nbytes = decode_pages(fetched), len(fetched)
                 done = state.core.import_prefix(ids, cache_salt, num_pages, leaves)
@@ -84,3 +84,16 @@ async def import_prompts(state: ServerState, remote: str, prompts: list[list[int
             raise APIError(502, f"the KV pages from {remote} cannot be used: {e}", "kv_transfer_error",
                            "kv_transfer_params", "kv_transfer_misfit") from None
     return written
+
+
+async def _pull(state: ServerState, remote: str, offer: dict, timeout: float) -> list:
+    """EngineCore.pull_offer on a worker thread, bounded by the transport's timeout. A pull past it
+    fails the request (504); its thread finishes or fails on its own (the transfer API cannot
+    cancel a pull)."""
+    pull = asyncio.get_running_loop().run_in_executor(
+        None, state.core.pull_offer, urlparse(remote).hostname, offer, state.config.kv_transfer_host)
+    try:
+        return await asyncio.wait_for(asyncio.shield(pull), timeout)
+    except asyncio.TimeoutError:
+        raise TransferError(f"the KV transfer from {remote} timed out after {timeout:g}s "
+                            "(pulling the offered pages)") from None

@@ -7,6 +7,10 @@ prefill instance that cannot be reached fails the request with a clear error and
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import openai
 import pytest
@@ -88,6 +92,52 @@ def test_pages_pulled_over_jax_transfer_give_the_colocated_output(pd, params):
         assert servers["prefill"].metrics()["jaxserve:kv_exported_pages_total"] - exported == imported
         assert got == _ask(servers["prefill"].url, prompt, False, **params)
     assert decode.metrics()["jaxserve:compilations_after_warmup_total"] == 0
+    decode.wait_idle()
+    decode.state.core.allocator.check_invariants()
+
+
+def test_a_stalled_pull_times_out_clearly_while_the_instance_keeps_serving(pd, monkeypatch):
+    """An offer whose pages never come (a transfer server that never offers its uuid): the request
+    fails with a 504 naming the remote after the transport's timeout, and meanwhile the decode
+    instance serves other requests (the pull waits on a worker thread, not the engine's)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import transfer
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from jaxserve.server import kv_routes
+
+    servers, _ = pd
+    decode = servers["decode-jax"]
+    pool = jax.tree.leaves(decode.state.core.runner.kv)
+    silent = transfer.start_transfer_server(jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
+    offer = {"pages": 3, "port": int(silent.address().rsplit(":", 1)[1]), "uuid": 424242, "runs": [2, 1],
+             "bytes": 0, "leaves": [[leaf.dtype.name, list(leaf.shape[1:])] for leaf in pool]}
+    asked = threading.Event()
+
+    async def export(request):  # noqa: ANN001, ANN202
+        asked.set()
+        return JSONResponse(offer)
+
+    fake_prefill = Proxy(Starlette(routes=[Route("/v1/kv/export", export, methods=["POST"])]))
+    monkeypatch.setattr(kv_routes.TRANSPORTS["jax"], "timeout", 4.0)
+    try:
+        with ThreadPoolExecutor(1) as pool_thread:
+            stuck = pool_thread.submit(httpx.post, f"{decode.url}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "stalled " * 60, "max_tokens": 2,
+                "kv_transfer_params": {"remote_url": fake_prefill.url}})
+            assert asked.wait(30)
+            time.sleep(0.2)  # the pull has started
+            assert _ask(decode.url, "served meanwhile", False, temperature=0.0)
+            assert not stuck.done()  # still waiting on its pages while the other request was served
+            r = stuck.result()
+        assert r.status_code == 504, r.text
+        assert f"the KV transfer from {fake_prefill.url} timed out after 4s" in r.json()["error"]["message"]
+    finally:  # let the abandoned pull finish, so its thread ends
+        silent.await_pull(424242, [jnp.zeros((w, *leaf.shape[1:]), leaf.dtype) for w in (2, 1) for leaf in pool])
+        fake_prefill.server.should_exit = True
     decode.wait_idle()
     decode.state.core.allocator.check_invariants()
 
