@@ -107,8 +107,12 @@ class JaxKVTransport:
         r = await _export(remote_url, body, self.timeout)
         try:
             offer = r.json()
-            if not all(k in offer for k in ("pages", "port", "uuid", "runs", "leaves", "bytes")):
-                raise ValueError(f"fields missing: {sorted(offer)}")
-        except ValueError as e:
+            ints = [offer[k] for k in ("pages", "port", "uuid", "bytes")] + list(offer["runs"])
+            if not all(isinstance(v, int) and v >= 0 for v in ints) or sum(offer["runs"]) != offer["pages"]:
+                raise ValueError("page counts, port, uuid and bytes must be non-negative integers, runs summing "
+                                 "to pages")
+            if not all(isinstance(leaf, list) and len(leaf) == 2 for leaf in offer["leaves"]):
+                raise ValueError("leaves must be [dtype, shape] pairs")
+        except (ValueError, KeyError, TypeError) as e:
             raise TransferError(f"the KV transfer from {remote_url} failed: not an offer: {e}") from None
         return offer

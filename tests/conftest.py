@@ -41,10 +41,11 @@ def _max_memory_maps() -> int:
 # (tests/spec/test_eagle3.py alone adds ~19,000 maps). At vm.max_map_count (65,530 by default)
 # mmap fails inside LLVM's JIT linker or jax's executable serializer, and the worker dies of SIGABRT
 # or SIGSEGV in some later test's compile: the late-suite worker crash seen on CI and here (the core
-# of one held 65,531 maps). Past a quarter of the limit, a worker drops every compiled program
-# between test files, then warms up again the engines still alive (session fixtures), so their
-# "no compilation after warm-up" assertions keep meaning what they say.
-_MAPS_BUDGET = _max_memory_maps() // 4
+# of one held 65,531 maps). Past half the limit (so the largest file still fits above it), a worker
+# drops every compiled program between test files, then warms up again the engines still alive
+# (session fixtures), so their "no compilation after warm-up" assertions keep meaning what they
+# say. Each drop costs 5-50 s of recompiling: at a quarter of the limit a run made 7 (~1,300 s).
+_MAPS_BUDGET = _max_memory_maps() // 2
 
 
 @pytest.fixture(scope="module", autouse=True)

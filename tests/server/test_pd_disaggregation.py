@@ -142,6 +142,24 @@ def test_a_stalled_pull_times_out_clearly_while_the_instance_keeps_serving(pd, m
     decode.state.core.allocator.check_invariants()
 
 
+def test_a_malformed_offer_is_a_502_naming_the_prefill_instance(pd):
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def export(request):  # noqa: ANN001, ANN202
+        return JSONResponse({"pages": 3, "port": "x", "uuid": 1, "bytes": 0, "runs": [2, 1], "leaves": []})
+
+    fake_prefill = Proxy(Starlette(routes=[Route("/v1/kv/export", export, methods=["POST"])]))
+    try:
+        r = httpx.post(f"{pd[0]['decode-jax'].url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "offered " * 60, "max_tokens": 2,
+            "kv_transfer_params": {"remote_url": fake_prefill.url}})
+    finally:
+        fake_prefill.server.should_exit = True
+    assert r.status_code == 502 and f"the KV transfer from {fake_prefill.url} failed: not an offer" in r.text
+
+
 def test_chat_through_the_proxy(pd):
     servers, proxy = pd
     messages = [{"role": "user", "content": "Tell me about paged attention. " * 6}]
