@@ -15,7 +15,7 @@ programs to 2 x len(CHUNK_WIDTHS) (warm_page_moves compiles them).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -73,13 +73,11 @@ class HostTier:
 
     def demote(self, kv: kv_cache.KVPages, moves: np.ndarray) -> None:
         """moves: [n, 2] (device page, host slot)."""
-        start = 0
-        for width in power_of_two_runs(len(moves)):
-            part = moves[start:start + width]
-            run = self._to_host(gather_pages(kv, self._put(part[:, 0])))
-            for row, slot in enumerate(part[:, 1]):
-                self._slots[int(slot)] = (run, row)
-            start += width
+        slots = iter(moves[:, 1])
+        for run in gather_runs(kv, moves[:, 0], self._put):
+            run = self._to_host(run)
+            for row in range(run.k[0].shape[0]):
+                self._slots[int(next(slots))] = (run, row)
 
     def promote(self, kv: kv_cache.KVPages, moves: np.ndarray) -> kv_cache.KVPages:
         """moves: [n, 2] (host slot, device page). Returns the pool (donated and replaced)."""
@@ -94,14 +92,32 @@ class HostTier:
         return kv
 
 
-def read_pages(kv: kv_cache.KVPages, pages: list[int], put: Callable[[np.ndarray], jax.Array]) -> list[np.ndarray]:
-    """The K/V of `pages` on the host, one array per pool leaf (jax.tree.leaves order) [n, ...].
-    Waits for the device: for a KV export (PD disaggregation), not for a step."""
+def gather_runs(kv: kv_cache.KVPages, pages: Sequence[int] | np.ndarray,
+                put: Callable[[np.ndarray], jax.Array]) -> list[kv_cache.KVPages]:
+    """The pages `pages` in power-of-two runs (a KVPages of W pages each, on the pool's devices)."""
     runs, start = [], 0
     for width in power_of_two_runs(len(pages)):
         runs.append(gather_pages(kv, put(np.asarray(pages[start:start + width], np.int32))))
         start += width
-    leaves = [jax.tree.leaves(run) for run in jax.device_get(runs)]
+    return runs
+
+
+def scatter_runs(kv: kv_cache.KVPages, runs: list[kv_cache.KVPages], dst: Sequence[int],
+                 put: Callable[[np.ndarray], jax.Array]) -> kv_cache.KVPages:
+    """Writes the runs' rows into pages `dst` (one per row, in order; an out-of-bounds page drops
+    its row). Returns the pool (donated and replaced)."""
+    start = 0
+    for run in runs:
+        width = run.k[0].shape[0]
+        kv = scatter_pages(kv, run, put(np.asarray(dst[start:start + width], np.int32)))
+        start += width
+    return kv
+
+
+def read_pages(kv: kv_cache.KVPages, pages: list[int], put: Callable[[np.ndarray], jax.Array]) -> list[np.ndarray]:
+    """The K/V of `pages` on the host, one array per pool leaf (jax.tree.leaves order) [n, ...].
+    Waits for the device: for a KV export (PD disaggregation), not for a step."""
+    leaves = [jax.tree.leaves(run) for run in jax.device_get(gather_runs(kv, pages, put))]
     return [np.concatenate([run[j] for run in leaves]) for j in range(len(leaves[0]))] if leaves else []
 
 
@@ -111,12 +127,12 @@ def write_pages(kv: kv_cache.KVPages, pages: list[int], leaves: list[np.ndarray]
     placed as the pool is; put places the index arrays. Returns the pool (donated and replaced)."""
     shardings = jax.tree.map(lambda a: a.sharding, kv)
     treedef = jax.tree.structure(kv)
-    start = 0
+    runs, start = [], 0
     for width in power_of_two_runs(len(pages)):
         rows = jax.tree.unflatten(treedef, [np.ascontiguousarray(leaf[start:start + width]) for leaf in leaves])
-        kv = scatter_pages(kv, sharding.put(rows, shardings), put(np.asarray(pages[start:start + width], np.int32)))
+        runs.append(sharding.put(rows, shardings))
         start += width
-    return kv
+    return scatter_runs(kv, runs, pages, put)
 
 
 def warm_page_moves(kv: kv_cache.KVPages, put: Callable[[np.ndarray], jax.Array]) -> kv_cache.KVPages:

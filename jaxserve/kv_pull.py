@@ -4,8 +4,8 @@ straight into arrays placed like its own pool — device to device where the bac
 (each addressable shard moves on its own), through host sockets on a CPU. Nothing is staged in
 Python bytes, unlike the HTTP transport (kv_transfer.py).
 
-An offer is the pages in power-of-two runs (host_tier.power_of_two_runs: the same gather and
-scatter programs as the host tier, warmed up once), each run every pool leaf [W, ...]. The
+An offer is the pages in power-of-two runs (host_tier.gather_runs / scatter_runs: the same gather
+and scatter programs as the host tier, warmed up once), each run every pool leaf [W, ...]. The
 decode instance pulls before any page is keyed in its prefix cache, so a failed pull leaves
 nothing behind; then it scatters each pulled row into its page (rows it already caches go to
 an out-of-bounds page: dropped).
@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxserve import kv_cache
-from jaxserve.host_tier import gather_pages, power_of_two_runs, scatter_pages
+from jaxserve.host_tier import gather_runs
 
 
 class TransferEndpoint:
@@ -40,10 +40,9 @@ class TransferEndpoint:
 
     def offer(self, kv: kv_cache.KVPages, pages: list[int], put: Callable[[np.ndarray], jax.Array]) -> dict:
         """Offers the K/V of `pages` for one pull; returns what the puller needs (JSON-able)."""
-        runs, arrays, start = power_of_two_runs(len(pages)), [], 0
-        for width in runs:
-            arrays += jax.tree.leaves(gather_pages(kv, put(np.asarray(pages[start:start + width], np.int32))))
-            start += width
+        gathered = gather_runs(kv, pages, put)
+        runs = [run.k[0].shape[0] for run in gathered]
+        arrays = jax.tree.leaves(gathered)
         uuid = secrets.randbits(62)
         if arrays:
             self._server.await_pull(uuid, arrays)
@@ -74,15 +73,3 @@ class TransferEndpoint:
             raise ValueError(f"pulling the pages from {address} failed: {type(e).__name__}: {e}") from None
         n = len(leaves)
         return [jax.tree.unflatten(treedef, arrays[i * n:(i + 1) * n]) for i in range(len(offer["runs"]))]
-
-
-def write_runs(kv: kv_cache.KVPages, runs: list[kv_cache.KVPages], dst: list[int],
-               put: Callable[[np.ndarray], jax.Array]) -> kv_cache.KVPages:
-    """Scatters pulled runs' rows into pages `dst` (one per row, in order; an out-of-bounds page
-    drops its row). Returns the pool (donated and replaced)."""
-    start = 0
-    for run in runs:
-        width = jax.tree.leaves(run)[0].shape[0]
-        kv = scatter_pages(kv, run, put(np.asarray(dst[start:start + width], np.int32)))
-        start += width
-    return kv

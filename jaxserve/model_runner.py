@@ -30,8 +30,8 @@ from jaxserve import kv_cache, sharding
 from jaxserve.capacity import plan_capacity, swap_costs
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.machine import machine_info
-from jaxserve.host_tier import HostTier, read_pages, warm_page_moves, write_pages
-from jaxserve.kv_pull import TransferEndpoint, write_runs
+from jaxserve.host_tier import HostTier, read_pages, scatter_runs, warm_page_moves, write_pages
+from jaxserve.kv_pull import TransferEndpoint
 from jaxserve.layouts import layout_rules
 from jaxserve.model.attention import make_attention
 from jaxserve.model.expert_parallel import make_moe
@@ -229,7 +229,7 @@ class ModelRunner:
     def write_pulled(self, runs: list[Any], dst: list[int]) -> None:
         """Writes pulled rows into pages `dst` (one per row; self.num_pages drops a row)."""
         before = CompileCounter.count()
-        self.kv = write_runs(self.kv, runs, dst, self._put)
+        self.kv = scatter_runs(self.kv, runs, dst, self._put)
         self._count_compilations(before, what=f"writing {len(dst)} pulled KV pages")
 
     def _transfer_endpoint(self, bind_host: str) -> TransferEndpoint:
