@@ -9,10 +9,15 @@ and scatter programs as the host tier, warmed up once), each run every pool leaf
 decode instance pulls before any page is keyed in its prefix cache, so a failed pull leaves
 nothing behind; then it scatters each pulled row into its page (rows it already caches go to
 an out-of-bounds page: dropped).
+
+An offer nobody pulls (its decode instance gave up or died) expires after OFFER_LIFETIME_S; the
+transfer server then drops its copy of the pages when it is next handed an offer, so abandoned
+offers hold memory for a bounded time, never until the process ends.
 """
 
 from __future__ import annotations
 
+import datetime
 import secrets
 import threading
 from typing import Any, Callable
@@ -22,6 +27,10 @@ import numpy as np
 
 from jaxserve import kv_cache
 from jaxserve.host_tier import gather_runs
+from jaxserve.kv_transfer import TRANSFER_TIMEOUT_S
+
+# Twice what the puller waits: an offer still unpulled by then never will be.
+OFFER_LIFETIME_S = 2 * TRANSFER_TIMEOUT_S
 
 
 class TransferEndpoint:
@@ -38,14 +47,17 @@ class TransferEndpoint:
     def port(self) -> int:
         return int(self._server.address().rsplit(":", 1)[1])
 
-    def offer(self, kv: kv_cache.KVPages, pages: list[int], put: Callable[[np.ndarray], jax.Array]) -> dict:
-        """Offers the K/V of `pages` for one pull; returns what the puller needs (JSON-able)."""
+    def offer(self, kv: kv_cache.KVPages, pages: list[int], put: Callable[[np.ndarray], jax.Array],
+              lifetime_s: float = OFFER_LIFETIME_S) -> dict:
+        """Offers the K/V of `pages` for one pull within `lifetime_s`; returns what the puller needs
+        (JSON-able)."""
         gathered = gather_runs(kv, pages, put)
         runs = [run.k[0].shape[0] for run in gathered]
         arrays = jax.tree.leaves(gathered)
         uuid = secrets.randbits(62)
         if arrays:
-            self._server.await_pull(uuid, arrays)
+            expires = datetime.datetime.now() + datetime.timedelta(seconds=lifetime_s)
+            self._server.await_pull(uuid, arrays, timeout=expires)
         return {"pages": len(pages), "port": self.port, "uuid": uuid, "runs": runs,
                 "bytes": int(sum(a.nbytes for a in arrays)),
                 "leaves": [[leaf.dtype.name, list(leaf.shape[1:])] for leaf in jax.tree.leaves(kv)]}

@@ -26,6 +26,9 @@ from typing import Protocol
 import httpx
 import numpy as np
 
+# How long a decode instance waits for a prompt's pages (the export, and with `jax` the pull).
+TRANSFER_TIMEOUT_S = 30.0
+
 
 def encode_pages(leaves: list[np.ndarray]) -> bytes:
     n = int(leaves[0].shape[0]) if leaves else 0
@@ -85,7 +88,7 @@ class HttpKVTransport:
 
     name = "http"
 
-    def __init__(self, timeout: float = 30.0) -> None:
+    def __init__(self, timeout: float = TRANSFER_TIMEOUT_S) -> None:
         self.timeout = timeout
 
     async def fetch(self, remote_url: str, prompt_token_ids: list[int], cache_salt: str | None) -> bytes:
@@ -99,7 +102,7 @@ class JaxKVTransport:
 
     name = "jax"
 
-    def __init__(self, timeout: float = 30.0) -> None:
+    def __init__(self, timeout: float = TRANSFER_TIMEOUT_S) -> None:
         self.timeout = timeout
 
     async def fetch(self, remote_url: str, prompt_token_ids: list[int], cache_salt: str | None) -> dict:

@@ -26,7 +26,7 @@ import pytest
 
 from jaxserve.router.app import label_replica, routing_key
 from jaxserve.router.policy import PREFIX_BLOCK_CHARS, RoutingPolicy
-from jaxserve.router.replicas import local_platform, replica_argv, replica_env
+from jaxserve.router.replicas import local_platform, replica_argv, replica_env, split_cores
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,6 +104,13 @@ def test_each_replica_sees_its_own_devices_and_port():
     with pytest.raises(ValueError, match="a replica of 3 chips"):
         replica_env("tpu", 0, 3, {})
     assert local_platform({"JAX_PLATFORMS": "cuda"}) == "gpu"
+
+
+def test_cpu_replicas_get_disjoint_shares_of_the_cores():
+    assert split_cores([5, 0, 1, 2, 3], 2) == [[0, 1, 2], [3, 5]]
+    assert split_cores([0, 1], 2) == [[0], [1]]
+    assert split_cores(range(8), 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert split_cores([0], 2) is None  # fewer cores than replicas: they share (a warning says so)
 
 
 # ---------------------------------------------------------------- two real replicas
@@ -271,6 +278,10 @@ def test_disaggregate_starts_prefill_and_decode_instances_behind_the_proxy(tmp_p
             return client.completions.create(model="jaxserve-tiny", prompt=prompt, max_tokens=12, temperature=0.0,
                                              extra_body=extra).choices[0].text
 
+        # each instance runs on its own share of this process's cores (a CPU replica's compute)
+        pids = [int(m) for m in re.findall(r"replica \d+ --kv-role \w+: pid (\d+)", (tmp_path / "serve.log").read_text())]
+        shares = split_cores(os.sched_getaffinity(0), 2) or [os.sched_getaffinity(0)] * 2
+        assert len(pids) == 2 and [os.sched_getaffinity(pid) for pid in pids] == [set(c) for c in shares]
         through = complete(url)
         exported = _total(httpx.get(f"{prefill}/metrics").text, "jaxserve:kv_exported_pages_total")
         imported = _total(httpx.get(f"{decode}/metrics").text, "jaxserve:kv_imported_pages_total")

@@ -6,8 +6,11 @@ Replica i runs `jaxserve serve` with the same flags on 127.0.0.1:(port + 1 + i) 
 there too), seeing only devices [i*d, (i+1)*d) of the host, d = the devices one replica's mesh
 uses. Devices are handed out through each platform's own variables, read before JAX starts: CPU
 (a process of d host devices), GPU (CUDA_VISIBLE_DEVICES), TPU (TPU_VISIBLE_CHIPS with per-process
-bounds, and a port of its own per process). The parent never starts a JAX backend: it would claim
-every device. SIGTERM/SIGINT stop the front, then every replica (each drains as `serve` does); a
+bounds, and a port of its own per process). On a CPU the compute is the cores, not the host
+devices (which all run on every core): replicas get disjoint sets of the cores this process may
+use (every thread of a replica, XLA's included, runs on its share only), so a prefill instance's
+long prompt cannot take the cores of a decode instance's step. The parent never starts a JAX backend: it would
+claim every device. SIGTERM/SIGINT stop the front, then every replica (each drains as `serve` does); a
 replica also gets SIGTERM if the parent dies any other way (Linux), so none outlives it.
 """
 
@@ -61,6 +64,21 @@ def replica_env(platform: str, index: int, devices: int, env: dict[str, str]) ->
     return env
 
 
+def split_cores(cores: Sequence[int], replicas: int) -> list[list[int]] | None:
+    """Disjoint, contiguous, near-equal shares of `cores` for `replicas` CPU replicas (the first
+    ones get one more where it does not divide); None when there are fewer cores than replicas."""
+    cores = sorted(cores)
+    if len(cores) < replicas:
+        return None
+    share, extra = divmod(len(cores), replicas)
+    out, start = [], 0
+    for i in range(replicas):
+        end = start + share + (i < extra)
+        out.append(cores[start:end])
+        start = end
+    return out
+
+
 def replica_argv(argv: Sequence[str], port: int) -> list[str]:
     """`serve` flags for one replica: the user's, without the replica layout, host and port."""
     drop = {"--data-parallel-size", "--disaggregate", "--kv-role", "--host", "--port"}
@@ -77,11 +95,15 @@ def replica_argv(argv: Sequence[str], port: int) -> list[str]:
     return [*out, "--host", "127.0.0.1", "--port", str(port)]
 
 
-def _die_with_parent() -> None:
+def _replica_setup(cores: Sequence[int] | None) -> Callable[[], None]:
     """Popen preexec_fn: SIGTERM to the replica when its parent dies, however it dies (Linux's
-    PR_SET_PDEATHSIG; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    PR_SET_PDEATHSIG; elsewhere nothing); on `cores` only when given."""
+    def setup() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+    return setup
 
 
 def serve_replicas(argv: Sequence[str], roles: Sequence[Sequence[str]], devices_per_replica: int, host: str,
@@ -91,6 +113,10 @@ def serve_replicas(argv: Sequence[str], roles: Sequence[Sequence[str]], devices_
     import uvicorn
 
     platform = local_platform()
+    pinnable = platform == "cpu" and hasattr(os, "sched_setaffinity")  # Linux
+    shares = split_cores(os.sched_getaffinity(0), len(roles)) if pinnable else None
+    if pinnable and shares is None:
+        logger.warning("%d CPU replicas on %d cores: they share every core", len(roles), len(os.sched_getaffinity(0)))
     serve_at = argv.index("serve")
     procs = []
     urls = []
@@ -98,11 +124,13 @@ def serve_replicas(argv: Sequence[str], roles: Sequence[Sequence[str]], devices_
         rport = port + 1 + i
         cmd = [sys.executable, "-m", "jaxserve.cli", *argv[:serve_at + 1], *replica_argv(argv[serve_at + 1:], rport),
                *role]
+        cores = shares[i] if shares else None
         procs.append(subprocess.Popen(cmd, env=replica_env(platform, i, devices_per_replica, dict(os.environ)),
-                                      preexec_fn=_die_with_parent))
+                                      preexec_fn=_replica_setup(cores)))
         urls.append(f"http://127.0.0.1:{rport}")
-        logger.info("replica %d%s: pid %d on %s (devices %d..%d of this %s host)", i, "".join(f" {a}" for a in role),
-                    procs[-1].pid, urls[-1], i * devices_per_replica, (i + 1) * devices_per_replica - 1, platform)
+        logger.info("replica %d%s: pid %d on %s (devices %d..%d of this %s host%s)", i, "".join(f" {a}" for a in role),
+                    procs[-1].pid, urls[-1], i * devices_per_replica, (i + 1) * devices_per_replica - 1, platform,
+                    f"; cores {','.join(map(str, cores))}" if cores else "")
     # uvicorn re-raises the SIGTERM it handled once it has stopped; with the default disposition that
     # would end this process before the replicas below are stopped and waited for.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))

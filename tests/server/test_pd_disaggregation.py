@@ -182,6 +182,28 @@ def test_an_unreachable_prefill_instance_fails_the_request_clearly(pd):
     decode.state.core.allocator.check_invariants()
 
 
+def test_a_decode_instance_that_is_gone_fails_the_request_clearly(pd):
+    """The proxy's decode instance does not answer: 502 naming it; the prefill instance's pages for
+    the prompt stay evictable prefix-cache pages (nothing owned, invariants hold) and it serves on."""
+    from jaxserve.router.pd_proxy import build_pd_proxy
+
+    servers, _ = pd
+    prefill = servers["prefill"]
+    proxy = Proxy(build_pd_proxy([prefill.url], ["http://127.0.0.1:9"]))
+    try:
+        r = httpx.post(f"{proxy.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "the decode side is gone " * 12, "max_tokens": 4})
+    finally:
+        proxy.server.should_exit = True
+    assert r.status_code == 502, r.text
+    assert "decode instance http://127.0.0.1:9 cannot be reached" in r.json()["error"]["message"]
+    prefill.wait_idle()
+    prefill.state.core.allocator.check_invariants()
+    allocator = prefill.state.core.allocator
+    assert allocator.num_free_pages == allocator.num_pages  # every page free or evictable
+    assert _ask(prefill.url, "still serving", False, temperature=0.0)
+
+
 def test_kv_roles_refuse_what_they_do_not_do(pd):
     servers, _ = pd
     r = httpx.post(f"{servers['decode'].url}/v1/kv/export", json={"prompt_token_ids": [1, 2, 3]})
