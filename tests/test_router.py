@@ -26,7 +26,7 @@ import pytest
 
 from jaxserve.router.app import label_replica, routing_key
 from jaxserve.router.policy import PREFIX_BLOCK_CHARS, RoutingPolicy
-from jaxserve.router.replicas import local_platform, replica_argv, replica_env, split_cores
+from jaxserve.router.replicas import cpu_pool_share, local_platform, replica_argv, replica_env, split_cores
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,6 +111,13 @@ def test_cpu_replicas_get_disjoint_shares_of_the_cores():
     assert split_cores([0, 1], 2) == [[0], [1]]
     assert split_cores(range(8), 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
     assert split_cores([0], 2) is None  # fewer cores than replicas: they share (a warning says so)
+
+
+def test_cpu_replicas_size_their_pools_from_a_share_of_the_ram():
+    assert cpu_pool_share(["--model", "m"], 2) == ["--memory-utilization", "0.25"]
+    assert cpu_pool_share([], 3) == ["--memory-utilization", "0.1667"]
+    for sized in (["--kv-cache-memory", "1GiB"], ["--num-kv-pages=64"], ["--memory-utilization", "0.2"]):
+        assert cpu_pool_share(sized, 2) == []  # the user's size holds for each replica
 
 
 # ---------------------------------------------------------------- two real replicas
@@ -282,6 +289,7 @@ def test_disaggregate_starts_prefill_and_decode_instances_behind_the_proxy(tmp_p
         pids = [int(m) for m in re.findall(r"replica \d+ --kv-role \w+: pid (\d+)", (tmp_path / "serve.log").read_text())]
         shares = split_cores(os.sched_getaffinity(0), 2) or [os.sched_getaffinity(0)] * 2
         assert len(pids) == 2 and [os.sched_getaffinity(pid) for pid in pids] == [set(c) for c in shares]
+        assert (tmp_path / "serve.log").read_text().count("0.25 of available RAM") == 2  # half the default each
         through = complete(url)
         exported = _total(httpx.get(f"{prefill}/metrics").text, "jaxserve:kv_exported_pages_total")
         imported = _total(httpx.get(f"{decode}/metrics").text, "jaxserve:kv_imported_pages_total")

@@ -9,7 +9,9 @@ uses. Devices are handed out through each platform's own variables, read before 
 bounds, and a port of its own per process). On a CPU the compute is the cores, not the host
 devices (which all run on every core): replicas get disjoint sets of the cores this process may
 use (every thread of a replica, XLA's included, runs on its share only), so a prefill instance's
-long prompt cannot take the cores of a decode instance's step. The parent never starts a JAX backend: it would
+long prompt cannot take the cores of a decode instance's step; and, unless a pool size or share is
+given, each sizes its KV pool from its share of the RAM (every replica reads the same available
+RAM at start-up). The parent never starts a JAX backend: it would
 claim every device. SIGTERM/SIGINT stop the front, then every replica (each drains as `serve` does); a
 replica also gets SIGTERM if the parent dies any other way (Linux), so none outlives it.
 """
@@ -24,6 +26,8 @@ import signal
 import subprocess
 import sys
 from typing import Any, Callable, Sequence
+
+from jaxserve.capacity import DEFAULT_MEMORY_UTILIZATION
 
 logger = logging.getLogger("jaxserve.router")
 
@@ -79,6 +83,17 @@ def split_cores(cores: Sequence[int], replicas: int) -> list[list[int]] | None:
     return out
 
 
+_POOL_FLAGS = ("--memory-utilization", "--kv-cache-memory", "--num-kv-pages")
+
+
+def cpu_pool_share(argv: Sequence[str], replicas: int) -> list[str]:
+    """The flags that size each CPU replica's KV pool from its share of the RAM the CPU default
+    would take, unless `argv` sizes the pool itself."""
+    if any(a.split("=", 1)[0] in _POOL_FLAGS for a in argv):
+        return []
+    return ["--memory-utilization", f"{DEFAULT_MEMORY_UTILIZATION['cpu'] / replicas:.4g}"]
+
+
 def replica_argv(argv: Sequence[str], port: int) -> list[str]:
     """`serve` flags for one replica: the user's, without the replica layout, host and port."""
     drop = {"--data-parallel-size", "--disaggregate", "--kv-role", "--host", "--port"}
@@ -118,12 +133,13 @@ def serve_replicas(argv: Sequence[str], roles: Sequence[Sequence[str]], devices_
     if pinnable and shares is None:
         logger.warning("%d CPU replicas on %d cores: they share every core", len(roles), len(os.sched_getaffinity(0)))
     serve_at = argv.index("serve")
+    pool = cpu_pool_share(argv[serve_at + 1:], len(roles)) if platform == "cpu" else []
     procs = []
     urls = []
     for i, role in enumerate(roles):
         rport = port + 1 + i
         cmd = [sys.executable, "-m", "jaxserve.cli", *argv[:serve_at + 1], *replica_argv(argv[serve_at + 1:], rport),
-               *role]
+               *pool, *role]
         cores = shares[i] if shares else None
         procs.append(subprocess.Popen(cmd, env=replica_env(platform, i, devices_per_replica, dict(os.environ)),
                                       preexec_fn=_replica_setup(cores)))
