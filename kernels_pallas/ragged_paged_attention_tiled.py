@@ -4,10 +4,12 @@ The reference (ragged_paged_attention_reference.py) gathers the KV context once 
 which is right for decode but repeats the same gather q_len times for a prefill chunk. Here the
 sequences of a step are split by what they need:
 
-- decode sequences (one new token): one work item per sequence, all of them batched through one
-  loop over KV chunks (an online softmax; the chunk is sized so one gathered chunk of every
-  sequence stays in cache, at most 128 tokens); each chunk gathers every decode sequence's
-  pages at once. A step's decodes are the bulk of its KV reads and this keeps them in a few big ops.
+- decode sequences (one new token): sorted by context length, longest first, and batched in
+  blocks of up to 64 rows; each block runs one loop over KV chunks (an online softmax) up to its
+  own longest context, gathering every row's pages of a chunk at once (the chunk sized so the
+  gathered chunk of the block stays in cache). A step's decodes are the bulk of its KV reads:
+  blocks keep them in a few big ops while a short sequence never waits through a long one's
+  chunks, and the cache budget holds for any number of decodes.
 - chunk sequences (two or more new tokens: prefill chunks): tiles of `block_q` consecutive rows of
   one sequence, visited by a loop whose trip count is the number of live tiles (data, not shape);
   each tile gathers only its own sequence's pages, once per KV chunk, up to its own causal end.
@@ -30,9 +32,12 @@ from kernels_pallas.kv_quant import gather_pages
 
 _MAX_BLOCK_Q = 64
 _TILE_CHUNK_TOKENS = 256  # KV positions per step of a prefill tile's loop
-# Bytes of K gathered per step of the batched decode loop: chunks that stay in the CPU's cache
+# Bytes of K gathered per step of a decode block's loop: chunks that stay in the CPU's cache
 # measured 1.4-1.8x faster than 128-token chunks for 64 decodes (docs/BENCHMARKS.md).
 _DECODE_CHUNK_BYTES = 2 << 20
+# Decode rows per block: 64 measured fastest (vs 32 and 128) at 64-256 decodes of ragged contexts,
+# and level with one unsorted batch below 64 (docs/BENCHMARKS.md, optimisation log).
+_DECODE_BLOCK_ROWS = 64
 
 
 def _decode_chunk_pages(num_seqs: int, page_size: int, kv_heads: int, head_dim: int, max_pages: int) -> int:
@@ -78,37 +83,54 @@ def _scores(q, k, einsum_qk: str, sm_scale: float, soft_cap: float | None, mask)
 
 def _decode_rows(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, is_decode, *, sm_scale,
                  sliding_window, soft_cap) -> jax.Array:
-    """Attention of every decode sequence's single row, batched: [S, H, D] float32 (row s is
-    sequence s's output; sequences that are not decodes get zeros)."""
+    """Attention of every decode sequence's single row, in blocks of rows sorted by context: [S, H,
+    D] float32 (row s is sequence s's output; sequences that are not decodes get zeros)."""
     T, H, D = qf.shape
     S, MP = page_tables.shape
     num_pages, ps, KVH, _ = k_pages.shape
     G = H // KVH
-    cp = _decode_chunk_pages(S, ps, KVH, D, MP)
+    R = min(_DECODE_BLOCK_ROWS, S)
+    num_blocks = -(-S // R)
+    cp = _decode_chunk_pages(R, ps, KVH, D, MP)
     chunk = cp * ps
     tables, num_chunks_static = _chunked_tables(page_tables, cp)
     ctx = jnp.where(is_decode, seq_lens, 0)                                      # [S]
     q_rows = qf[jnp.clip(cu_q_lens[:-1], 0, T - 1)].reshape(S, KVH, G, D)
+    # Longest first, so a block's first row bounds its loop; the padding rows of the last block
+    # point at row 0 with context 0 (they compute zeros and are never read back).
+    order = jnp.pad(jnp.argsort(-ctx).astype(jnp.int32), (0, num_blocks * R - S))
+    sorted_ctx = jnp.pad(ctx[order[:S]], (0, num_blocks * R - S))               # [num_blocks * R]
 
-    def body(c, carry):
-        pages = jnp.clip(lax.dynamic_slice_in_dim(tables, c * cp, cp, axis=1), 0, num_pages - 1)
-        kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)                  # [C]
-        valid = kv_pos[None, :] < ctx[:, None]                                   # [S, C]; the row sits at ctx - 1
-        if sliding_window is not None:
-            valid &= (ctx[:, None] - 1) - kv_pos[None, :] < sliding_window
-        k = gather_pages(k_pages, k_scales, pages)                               # [S, C, KVH, D] f32
-        v = gather_pages(v_pages, v_scales, pages)
-        # Stale (even NaN) V outside every row's mask must not reach 0 * NaN in the sum.
-        v = jnp.where(valid[:, :, None, None], v, 0.0)
-        mask = valid[:, None, None, :]                                           # [S, 1, 1, C]
-        s = _scores(q_rows, k, "skgd,sckd->skgc", sm_scale, soft_cap, mask)       # [S, KVH, G, C]
-        return _online_softmax_step(carry, s, v, mask, "skgc,sckd->skgd")
+    def block(b, out):
+        rows = lax.dynamic_slice_in_dim(order, b * R, R)                        # [R]
+        row_ctx = lax.dynamic_slice_in_dim(sorted_ctx, b * R, R)                # [R]
+        table, q = tables[rows], q_rows[rows]
 
-    num_chunks = jnp.minimum((jnp.max(ctx) + chunk - 1) // chunk, num_chunks_static)
-    init = (jnp.full((S, KVH, G), MASK_VALUE, jnp.float32), jnp.zeros((S, KVH, G), jnp.float32),
-            jnp.zeros((S, KVH, G, D), jnp.float32))
-    _, l, acc = lax.fori_loop(0, num_chunks, body, init)
-    return (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(S, H, D)
+        def body(c, carry):
+            pages = jnp.clip(lax.dynamic_slice_in_dim(table, c * cp, cp, axis=1), 0, num_pages - 1)
+            kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)              # [C]
+            valid = kv_pos[None, :] < row_ctx[:, None]                           # [R, C]; the row sits at ctx - 1
+            if sliding_window is not None:
+                valid &= (row_ctx[:, None] - 1) - kv_pos[None, :] < sliding_window
+            k = gather_pages(k_pages, k_scales, pages)                           # [R, C, KVH, D] f32
+            v = gather_pages(v_pages, v_scales, pages)
+            # Stale (even NaN) V outside every row's mask must not reach 0 * NaN in the sum.
+            v = jnp.where(valid[:, :, None, None], v, 0.0)
+            mask = valid[:, None, None, :]                                       # [R, 1, 1, C]
+            s = _scores(q, k, "skgd,sckd->skgc", sm_scale, soft_cap, mask)        # [R, KVH, G, C]
+            return _online_softmax_step(carry, s, v, mask, "skgc,sckd->skgd")
+
+        init = (jnp.full((R, KVH, G), MASK_VALUE, jnp.float32), jnp.zeros((R, KVH, G), jnp.float32),
+                jnp.zeros((R, KVH, G, D), jnp.float32))
+        num_chunks = jnp.minimum((row_ctx[0] + chunk - 1) // chunk, num_chunks_static)
+        _, l, acc = lax.fori_loop(0, num_chunks, body, init)
+        res = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(R, H, D)
+        return lax.dynamic_update_slice_in_dim(out, res, b * R, 0)
+
+    live_blocks = (jnp.sum(ctx > 0) + R - 1) // R
+    by_rank = lax.fori_loop(0, live_blocks, block, jnp.zeros((num_blocks * R, H, D), jnp.float32))
+    rank = jnp.zeros((S,), jnp.int32).at[order[:S]].set(jnp.arange(S, dtype=jnp.int32))
+    return by_rank[rank]
 
 
 def _chunk_tiles(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, q_len, is_chunk, *, bq, sm_scale,

@@ -11,8 +11,8 @@ devices (which all run on every core): replicas get disjoint sets of the cores t
 use (every thread of a replica, XLA's included, runs on its share only), so a prefill instance's
 long prompt cannot take the cores of a decode instance's step; and, unless a pool size or share is
 given, each sizes its KV pool from its share of the RAM (every replica reads the same available
-RAM at start-up). The parent never starts a JAX backend: it would
-claim every device. SIGTERM/SIGINT stop the front, then every replica (each drains as `serve` does); a
+RAM at start-up). The parent never starts a JAX backend: it would claim every device.
+SIGTERM/SIGINT stop the front, then every replica (each drains as `serve` does); a
 replica also gets SIGTERM if the parent dies any other way (Linux), so none outlives it.
 """
 
