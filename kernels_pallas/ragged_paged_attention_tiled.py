@@ -10,9 +10,11 @@ sequences of a step are split by what they need:
   gathered chunk of the block stays in cache). A step's decodes are the bulk of its KV reads:
   blocks keep them in a few big ops while a short sequence never waits through a long one's
   chunks, and the cache budget holds for any number of decodes.
-- chunk sequences (two or more new tokens: prefill chunks): tiles of `block_q` consecutive rows of
-  one sequence, visited by a loop whose trip count is the number of live tiles (data, not shape);
+- chunk sequences (two or more new tokens: prefill chunks): tiles of consecutive rows of one
+  sequence, visited by a loop whose trip count is the number of live tiles (data, not shape);
   each tile gathers only its own sequence's pages, once per KV chunk, up to its own causal end.
+  Tiles are tall (up to 256 rows: big products, few loop trips); shorter sequences get passes of
+  half- and quarter-height tiles of their own, so no tile is more than half padding above 64 rows.
 
 Splitting matters for mixed steps (many decodes + a long prefill chunk): one tiling for both made
 every decode item as tall as a prefill tile, or every prefill tile as short as a decode row (which
@@ -30,7 +32,10 @@ from jax import lax
 from kernels_pallas._checks import CHUNK_TOKENS, MASK_VALUE, check_attention_args
 from kernels_pallas.kv_quant import gather_pages
 
-_MAX_BLOCK_Q = 64
+# Rows per prefill tile at most: 256 measured 1.3-1.9x faster than 64 on 2,048-token prefill steps
+# of 1-4 sequences (bench-105m shapes, docs/BENCHMARKS.md optimisation log).
+_MAX_BLOCK_Q = 256
+_TILE_HEIGHTS = 3  # 256, 128 and 64 rows: 64-token prompts keep the 64-row tiles they had before
 _TILE_CHUNK_TOKENS = 256  # KV positions per step of a prefill tile's loop
 # Bytes of K gathered per step of a decode block's loop: chunks that stay in the CPU's cache
 # measured 1.4-1.8x faster than 128-token chunks for 64 decodes (docs/BENCHMARKS.md).
@@ -51,7 +56,8 @@ def _decode_chunk_pages(num_seqs: int, page_size: int, kv_heads: int, head_dim: 
 
 
 def default_block_q(num_tokens: int) -> int:
-    """Rows per prefill tile: the largest power of two <= T, capped at 64 (decodes never use tiles)."""
+    """Rows per tall prefill tile: the largest power of two <= T, capped at 256 (decodes never use
+    tiles)."""
     return min(_MAX_BLOCK_Q, 1 << (max(1, num_tokens).bit_length() - 1))
 
 
@@ -133,11 +139,12 @@ def _decode_rows(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, 
     return by_rank[rank]
 
 
-def _chunk_tiles(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, q_len, is_chunk, *, bq, sm_scale,
-                 sliding_window, soft_cap) -> jax.Array:
-    """Attention of every row of the multi-token sequences, tile by tile: [T, H, D] float32 with
-    zeros in every other row."""
-    T, H, D = qf.shape
+def _chunk_tiles(q_padded, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, q_len, is_chunk, out,
+                 *, bq, sm_scale, sliding_window, soft_cap) -> jax.Array:
+    """`out` with the attention of every row of the `is_chunk` sequences written in, tile by tile
+    (other rows keep what they held). q_padded and out: [T + at least bq, H, D] float32 (a tile
+    may run past T)."""
+    _, H, D = q_padded.shape
     S, MP = page_tables.shape
     num_pages, ps, KVH, _ = k_pages.shape
     G = H // KVH
@@ -146,7 +153,6 @@ def _chunk_tiles(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, 
     tables, num_chunks_static = _chunked_tables(page_tables, cp)
     tiles = jnp.where(is_chunk, (q_len + bq - 1) // bq, 0)                      # [S]
     tile_end = jnp.cumsum(tiles)
-    q_padded = jnp.pad(qf, ((0, bq), (0, 0), (0, 0)))                            # a tile may run past T
 
     def tile(i, out):
         s = jnp.minimum(jnp.searchsorted(tile_end, i, side="right").astype(jnp.int32), S - 1)
@@ -186,8 +192,7 @@ def _chunk_tiles(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, 
         current = lax.dynamic_slice_in_dim(out, first, bq)
         return lax.dynamic_update_slice_in_dim(out, jnp.where(row_ok[:, None, None], res, current), first, 0)
 
-    out = lax.fori_loop(0, tile_end[-1], tile, jnp.zeros((T + bq, H, D), jnp.float32))
-    return out[:T]
+    return lax.fori_loop(0, tile_end[-1], tile, out)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q"))
@@ -207,21 +212,33 @@ def ragged_paged_attention_tiled(
     k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 when the pages are quantized (kv_quant.py)
     v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [T, H, D], q.dtype
-    """Same contract and numbers as the reference (docs/CONTRACTS.md); block_q = rows per prefill tile."""
+    """Same contract and numbers as the reference (docs/CONTRACTS.md); block_q = rows of every prefill
+    tile (default: 256-, 128- and 64-row tiles, each sequence in the shortest that holds it)."""
     check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         k_scales=k_scales, v_scales=v_scales,
     )
-    T = q.shape[0]
+    T, H, D = q.shape
     S = page_tables.shape[0]
-    bq = block_q or default_block_q(T)
     live = jnp.arange(S, dtype=jnp.int32) < num_seqs[0]
     q_len = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)                  # [S]
     is_decode = q_len == 1
+    # Tile heights, tallest first; a sequence of q_len rows goes to the shortest height >= q_len
+    # (the tallest takes every longer one), so a tile is at most half padding.
+    heights = [block_q] if block_q else sorted({max(1, default_block_q(T) >> i) for i in range(_TILE_HEIGHTS)},
+                                               reverse=True)
     qf = q.astype(jnp.float32)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    out = _chunk_tiles(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, q_len, q_len >= 2, bq=bq, **kw)
+    q_padded = jnp.pad(qf, ((0, heights[0]), (0, 0), (0, 0)))
+    out = jnp.zeros((T + heights[0], H, D), jnp.float32)
+    for i, bq in enumerate(heights):
+        which = (q_len >= 2) & (q_len > (heights[i + 1] if i + 1 < len(heights) else 1))
+        if i > 0:
+            which &= q_len <= bq
+        out = _chunk_tiles(q_padded, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, q_len, which,
+                           out, bq=bq, **kw)
+    out = out[:T]
     decoded = _decode_rows(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, is_decode, **kw)
     out = out.at[jnp.where(is_decode, cu_q_lens[:-1], T)].set(decoded, mode="drop")  # others -> dropped
     return out.astype(q.dtype)

@@ -197,6 +197,31 @@ def test_moe_forward_runs_its_grouped_matmuls_as_triton_kernels_on_two_h100s():
         assert 3 * moe.num_layers <= extra <= 4 * moe.num_layers, rules
 
 
+def _jnp_fallback_forwards(devices) -> None:
+    """Every forward of a model whose 4 KV heads do not split over an 8-way model axis: attention
+    runs the tiled jnp path (decode blocks sorted by context, prefill tiles), partitioned by XLA."""
+    cfg = ModelConfig.from_hf(FAMILIES["qwen3"])
+    layout = make_layout("tp", len(devices), len(devices))
+    mesh = make_mesh(1, layout.tp, devices)
+    attention = make_attention("auto", cfg, mesh, layout.rules)
+    assert attention.__name__ == "ragged_paged_attention_tiled"
+    for program in serving_programs(ENGINE, cfg):
+        if program.kind == "forward":
+            compiled = lower_program(program, cfg, ENGINE, mesh, "bfloat16", attention, layout.rules).compile()
+            assert "sort" in compiled.as_text(), program.name  # the decode rows ordered by context
+
+
+def test_jnp_attention_fallback_compiles_for_tpu():
+    _jnp_fallback_forwards(parse_target("tpu-v6e:2x4").devices())
+
+
+@pytest.mark.gpu_compile
+def test_jnp_attention_fallback_compiles_for_eight_h100s():
+    from jaxserve.gpu_target import gpu_devices
+
+    _jnp_fallback_forwards(gpu_devices("h100", "1x1x8"))
+
+
 def test_host_tier_page_moves_compile_for_tpu():
     """The host KV tier's gather (pages out of the pool) and scatter (pages back, pool donated) for
     every run width, on a v6e-4 pool split over its KV heads."""

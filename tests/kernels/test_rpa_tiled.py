@@ -51,17 +51,20 @@ def test_tiled_ignores_nan_outside_live_slots():
 @pytest.mark.parametrize("window", [None, 5])
 def test_many_decodes_of_ragged_contexts_in_several_blocks(window):
     """More decodes than one block holds (64 rows), contexts of 1 to 300 tokens (1-3 KV chunks) in
-    no order, a prefill chunk between them and NaN in every dead slot: each decode row still
-    equals the reference (the blocks are sorted by context, each loops to its own longest)."""
+    no order, a short and a tall prefill chunk between them (301 rows: 256-row tiles for the
+    140-token chunk, 128-row ones for the 9-token chunk) and NaN in every dead slot: every row
+    equals the reference (decode blocks are sorted by context, each loops to its own longest)."""
     rng = fresh_rng()
     seqs = [(1, int(n)) for n in rng.integers(1, 301, 150)]
     seqs.insert(70, (9, 30))
+    seqs.insert(20, (140, 250))
     case = make_case(rng, seqs, num_q_heads=4, max_seqs=len(seqs) + 5, extra_rows=2, poison=True, **SMALL)
     _check(case, sliding_window=window)
 
 
-def test_default_block_q_is_the_largest_power_of_two_up_to_64():
+def test_default_block_q_is_the_largest_power_of_two_up_to_256():
     assert default_block_q(64) == 64
     assert default_block_q(48) == 32
     assert default_block_q(8) == 8
-    assert default_block_q(4096) == 64
+    assert default_block_q(300) == 256
+    assert default_block_q(4096) == 256
