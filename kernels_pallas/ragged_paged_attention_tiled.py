@@ -45,10 +45,10 @@ _DECODE_CHUNK_BYTES = 2 << 20
 _DECODE_BLOCK_ROWS = 64
 
 
-def _decode_chunk_pages(num_seqs: int, page_size: int, kv_heads: int, head_dim: int, max_pages: int) -> int:
-    """Pages per step of the decode loop: the most (a power of two, at most CHUNK_TOKENS worth) whose
-    gathered K for all sequences fits _DECODE_CHUNK_BYTES (float32)."""
-    per_page = num_seqs * page_size * kv_heads * head_dim * 4
+def _decode_chunk_pages(rows: int, page_size: int, kv_heads: int, head_dim: int, max_pages: int) -> int:
+    """Pages per step of a decode block's loop: the most (a power of two, at most CHUNK_TOKENS
+    worth) whose gathered K for the block's `rows` fits _DECODE_CHUNK_BYTES (float32)."""
+    per_page = rows * page_size * kv_heads * head_dim * 4
     pages = max(1, CHUNK_TOKENS // page_size)
     while pages > 1 and pages * per_page > _DECODE_CHUNK_BYTES:
         pages //= 2
