@@ -60,8 +60,13 @@ def seq_buckets(cfg: Any) -> tuple[int, ...]:
 
 def declared_buckets(cfg: Any) -> list[tuple[int, int]]:
     """All (T, S) forward shapes compiled at start-up, smallest first. A step of T tokens has at
-    most T sequences, so sequence buckets above T are capped at T."""
-    return sorted({(t, min(s, t)) for t in token_buckets(cfg) for s in seq_buckets(cfg)})
+    most T sequences, so sequence buckets above T are capped at T. Every sequence bucket s within
+    the token ladder also gets a decode shape (s, s): a step of n decodes has n tokens, and without
+    it 65-128 decodes would run 256 token rows through the layers (the token ladder grows 4x, the
+    sequence ladder has half the limit)."""
+    tokens, seqs = token_buckets(cfg), seq_buckets(cfg)
+    grid = {(t, min(s, t)) for t in tokens for s in seqs}
+    return sorted(grid | {(s, s) for s in seqs if tokens[0] <= s <= tokens[-1]})
 
 
 def logits_buckets(cfg: Any, tokens: int, rows: int) -> tuple[int, ...]:
@@ -85,11 +90,14 @@ def choose_logits_rows(cfg: Any, tokens: int, rows: int, num_sample_rows: int) -
 
 
 def choose_bucket(buckets: Sequence[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    """The declared (T, S) that holds the step with the fewest sequence rows, then the fewest tokens:
+    a sequence row costs a vocabulary-wide lm_head row, so a decode shape (s, s) must not take a
+    step of few sequences that a (T, small S) shape holds."""
     fitting = [b for b in buckets if b[0] >= num_tokens and b[1] >= num_seqs]
     if not fitting:
         raise ValueError(f"no declared bucket holds {num_tokens} tokens and {num_seqs} sequences; "
                          f"largest is {max(buckets)}")
-    return min(fitting, key=lambda b: (b[0], b[1]))
+    return min(fitting, key=lambda b: (b[1], b[0]))
 
 
 def history_buckets(max_model_len: int, vocab_size: int | None = None) -> list[int]:

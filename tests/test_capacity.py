@@ -50,7 +50,8 @@ def test_cpu_defaults_follow_the_model_flops():
     assert cap.kv_pool_bytes == e.num_kv_pages * 16 * 4096
     assert e.resolved_token_buckets() == (16, 64, 256, 1024, 2048)
     assert e.resolved_seq_buckets() == (4, 16, 64, 128, 256)
-    assert cap.num_programs == 5 * 5 + 5 * 4 + 1 - 5  # 20 forwards (S <= T), 5 rows x 4 history widths, copy
+    # 20 forwards (S <= T) + the decode shape (128, 128), 5 rows x 4 history widths, copy
+    assert cap.num_programs == 5 * 5 - 5 + 1 + 5 * 4 + 1
     text = "\n".join(cap.lines)
     for needle in ("KV pool: 32768 pages", "max_num_seqs 256", "max_num_batched_tokens 2048", "forward programs",
                    "pads to <= 4.0 n"):
@@ -137,6 +138,15 @@ def test_bucket_ladder_bounds_padding_and_programs():
     for n in range(1, 1025):  # every step size pads to at most 4x (2x in the top two buckets)
         t = min(b for b in cfg.resolved_token_buckets() if b >= n)
         assert t <= max(16, 4 * n) and (n <= 256 or t <= 2 * n)
+    # a step of n decodes pads its token rows no further than its sequence rows: 100 decodes run 128
+    # tokens (not the 256 of the token ladder), while 100 tokens of 4 sequences keep 4 lm_head rows
+    assert (128, 128) in pairs and (128, 4) not in pairs
+    assert buckets.choose_bucket(pairs, 100, 100) == (128, 128)
+    assert buckets.choose_bucket(pairs, 100, 4) == (256, 4)
+    assert buckets.choose_bucket(pairs, 100, 50) == (256, 64)
+    for n in range(1, 129):  # decode steps: T = S = the sequence bucket (16 at least)
+        s = min(b for b in cfg.resolved_seq_buckets() if b >= n)
+        assert buckets.choose_bucket(pairs, n, n) == (max(16, s), s)
     assert buckets.history_buckets(4096, 151_936) == [0, 64, 1024, 16384]
     assert buckets.history_buckets(40960, 151_936) == [0, 64, 1024, 16384, 151_936]  # capped at the vocab
     assert all(buckets.history_bucket(n, 151_936) in buckets.history_buckets(4096, 151_936)
