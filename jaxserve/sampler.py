@@ -214,27 +214,36 @@ def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def apply_bitmask(x: jax.Array, bitmask: jax.Array | None, constrained: jax.Array) -> jax.Array:
+def apply_bitmask(x: jax.Array, bitmask: jax.Array | None, constrained: jax.Array,
+                  vocab_size: int | None = None) -> jax.Array:
     """Tokens whose bit is 0 in a constrained row's [R, W] int32 mask -> -inf (bit j of word w is
     token 32 w + j); unconstrained rows pass through. The unpacking runs under `lax.cond`, only in
-    batches with a constrained row. Columns past the mask are never allowed.
+    batches with a constrained row. Columns past the mask, and from `vocab_size` on, are never
+    allowed.
 
     Each column reads its word by index and shifts, all elementwise over [R, V]: on TPU a
     [R, W, 32] unpacking (32 on the lane axis) is relaid out and kept as temporaries (3.7x the
-    logits' bytes at 256 rows of a 151,936 vocabulary against 1.7x this way)."""
+    logits' bytes at 256 rows of a 151,936 vocabulary against 1.7x this way).
+
+    Neither branch of the cond returns x unchanged (the vocabulary cut is done in both): a branch
+    that passes its operand through makes XLA copy the [R, V] logits, once there and once more at
+    the entry of every program that holds such a cond, whether or not the branch runs."""
+    col = jnp.arange(x.shape[1], dtype=jnp.int32)
+    in_vocab = col[None, :] < (x.shape[1] if vocab_size is None else vocab_size)        # [1, V]
     if bitmask is None:
-        return x
-    r, v = x.shape
+        return x if vocab_size is None else jnp.where(in_vocab, x, -jnp.inf)
+    return jax.lax.cond(jnp.any(constrained),
+                        lambda: jnp.where(in_vocab & _allowed(x.shape[1], bitmask, constrained), x, -jnp.inf),
+                        lambda: jnp.where(in_vocab, x, -jnp.inf))
+
+
+def _allowed(vocab: int, bitmask: jax.Array, constrained: jax.Array) -> jax.Array:
+    """[R, vocab] bool: apply_bitmask's allowed tokens, computed unconditionally."""
     num_words = bitmask.shape[1]
-
-    def masked() -> jax.Array:
-        col = jnp.arange(v, dtype=jnp.int32)
-        words = jnp.take(bitmask, jnp.minimum(col >> 5, num_words - 1), axis=1)         # [R, V]
-        bits = jax.lax.shift_right_logical(words, (col & 31)[None, :]) & 1
-        allowed = ((bits != 0) & (col < 32 * num_words)[None, :]) | ~constrained[:, None]
-        return jnp.where(allowed, x, -jnp.inf)
-
-    return jax.lax.cond(jnp.any(constrained), masked, lambda: x)
+    col = jnp.arange(vocab, dtype=jnp.int32)
+    words = jnp.take(bitmask, jnp.minimum(col >> 5, num_words - 1), axis=1)             # [R, V]
+    bits = jax.lax.shift_right_logical(words, (col & 31)[None, :]) & 1
+    return ((bits != 0) & (col < 32 * num_words)[None, :]) | ~constrained[:, None]
 
 
 def process_logits(logits: jax.Array, t: SamplingTensors, vocab_size: int,
@@ -242,9 +251,7 @@ def process_logits(logits: jax.Array, t: SamplingTensors, vocab_size: int,
     """[R, V] logits -> [R, V] f32 after the grammar's bitmask, vocab mask, bias, penalties and
     temperature (greedy: 1)."""
     _check_shapes(logits, t, vocab_size)
-    x = apply_bitmask(logits.astype(jnp.float32), bitmask, t.constrained)
-    col = jnp.arange(x.shape[1], dtype=jnp.int32)
-    x = jnp.where(col[None, :] < vocab_size, x, -jnp.inf)
+    x = apply_bitmask(logits.astype(jnp.float32), bitmask, t.constrained, vocab_size)
     if t.needs_history:
         x = _apply_table(x, t)
     temp = jnp.where(t.temperature > 0, t.temperature, 1.0)
@@ -403,10 +410,18 @@ def _greedy_ids(logits: jax.Array, t: SamplingTensors, vocab_size: int, bitmask:
     the argmax, so only the vocabulary cut and the table (bias, penalties) matter; slicing off the
     padding columns instead of masking them keeps the argmax a plain reduction over the logits
     (fused with a mask it runs ~20x slower on a CPU)."""
-    x = apply_bitmask(logits[:, :vocab_size].astype(jnp.float32), bitmask, t.constrained)
-    if t.needs_history:
-        x = _apply_table(x, t)
-    return argmax_rows(x)
+    def ids(mask: bool) -> jax.Array:
+        x = logits[:, :vocab_size].astype(jnp.float32)
+        if mask:
+            x = jnp.where(_allowed(x.shape[1], bitmask, t.constrained), x, -jnp.inf)
+        if t.needs_history:
+            x = _apply_table(x, t)
+        return argmax_rows(x)
+
+    if bitmask is None:
+        return ids(False)
+    # The cond yields ids (see apply_bitmask); unconstrained batches skip the mask altogether.
+    return jax.lax.cond(jnp.any(t.constrained), lambda: ids(True), lambda: ids(False))
 
 
 def sample(logits: jax.Array, tensors: SamplingTensors, vocab_size: int,
