@@ -63,6 +63,21 @@ def test_widest_sampler_fits_in_small_temporaries_on_tpu():
     assert compiled.memory_analysis().temp_size_in_bytes < 6 * logits_bytes  # 0.9 GiB; flat packing: 4 GiB
 
 
+@pytest.mark.gpu_compile
+def test_widest_sampler_compiles_for_an_h100():
+    """The sampler program (every branch: greedy ids, the draw, logprobs, the grammar mask) at 256
+    rows x a 16384-id table compiles for an H100, and holds no copy of the [R, V] logits."""
+    from jaxserve.buckets import Program
+    from jaxserve.gpu_target import gpu_devices
+
+    cfg = ModelConfig.from_hf({**FAMILIES["qwen3"], "vocab_size": 151936})
+    engine = EngineConfig(max_num_seqs=256, max_num_batched_tokens=256, max_model_len=8192, num_kv_pages=64)
+    mesh = make_mesh(1, 1, gpu_devices("h100", "1x1x1"))
+    hlo = lower_program(Program("sample", rows=256, history=16384), cfg, engine, mesh, "bfloat16",
+                        make_attention("auto", cfg, mesh)).compile().as_text()
+    assert not [line for line in hlo.splitlines() if " copy(" in line and "f32[256,151936]" in line.split("copy(")[0]]
+
+
 def test_speculative_draft_row_programs_compile_for_tpu():
     """With speculative decoding a forward bucket also declares L = min(T, S (1 + k)) logits rows
     (every draft is sampled): those forwards and their samplers compile for a v6e-4 with TP=4."""
