@@ -233,9 +233,8 @@ def ragged_paged_attention_tiled(
     q_padded = jnp.pad(qf, ((0, heights[0]), (0, 0), (0, 0)))
     out = jnp.zeros((T + heights[0], H, D), jnp.float32)
     for i, bq in enumerate(heights):
-        which = (q_len >= 2) & (q_len > (heights[i + 1] if i + 1 < len(heights) else 1))
-        if i > 0:
-            which &= q_len <= bq
+        lo = heights[i + 1] if i + 1 < len(heights) else 1  # shorter sequences go to the next height
+        which = (q_len > lo) if i == 0 else (q_len > lo) & (q_len <= bq)
         out = _chunk_tiles(q_padded, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, q_len, which,
                            out, bq=bq, **kw)
     out = out[:T]

@@ -49,16 +49,22 @@ def test_every_serving_program_compiles_for_tpu(target, tp, family):
             assert "all-reduce" in text, program.name                 # TP: partial sums meet
 
 
+def _sampler_program(devices, history: int):
+    """The serving sampler at 256 rows of a 151,936 vocabulary with a `history`-id table, compiled for
+    `devices` (one)."""
+    from jaxserve.buckets import Program
+    cfg = ModelConfig.from_hf({**FAMILIES["qwen3"], "vocab_size": 151936})
+    engine = EngineConfig(max_num_seqs=256, max_num_batched_tokens=256, max_model_len=8192, num_kv_pages=64)
+    mesh = make_mesh(1, 1, devices)
+    return lower_program(Program("sample", rows=256, history=history), cfg, engine, mesh, "bfloat16",
+                         make_attention("auto", cfg, mesh)).compile()
+
+
 def test_widest_sampler_fits_in_small_temporaries_on_tpu():
     """The sampler's inputs (256 rows x a 16384-id penalty table) arrive as one packed buffer; on TPU
     a flat buffer cost 256 bytes of temporaries per word in relayouts (4 GiB here). Packed by rows
     it costs about the logits' own working set."""
-    from jaxserve.buckets import Program
-    cfg = ModelConfig.from_hf({**FAMILIES["qwen3"], "vocab_size": 151936})
-    engine = EngineConfig(max_num_seqs=256, max_num_batched_tokens=256, max_model_len=8192, num_kv_pages=64)
-    mesh = make_mesh(1, 1, parse_target("tpu-v6e:1x1").devices())
-    compiled = lower_program(Program("sample", rows=256, history=16384), cfg, engine, mesh, "bfloat16",
-                             make_attention("auto", cfg, mesh)).compile()
+    compiled = _sampler_program(parse_target("tpu-v6e:1x1").devices(), 16384)
     logits_bytes = 256 * 151936 * 4
     assert compiled.memory_analysis().temp_size_in_bytes < 6 * logits_bytes  # 0.9 GiB; flat packing: 4 GiB
 
@@ -68,15 +74,10 @@ def test_sampler_programs_compile_for_an_h100():
     """The sampler program (every branch: greedy ids, the draw, logprobs, the grammar mask) compiles
     for an H100 at 256 rows, with no table and with the widest (16384 ids); without a table it holds
     no copy of the [R, V] logits (with one, the penalties' in-place update copies them, in its branch)."""
-    from jaxserve.buckets import Program
     from jaxserve.gpu_target import gpu_devices
 
-    cfg = ModelConfig.from_hf({**FAMILIES["qwen3"], "vocab_size": 151936})
-    engine = EngineConfig(max_num_seqs=256, max_num_batched_tokens=256, max_model_len=8192, num_kv_pages=64)
-    mesh = make_mesh(1, 1, gpu_devices("h100", "1x1x1"))
     for history in (0, 16384):
-        hlo = lower_program(Program("sample", rows=256, history=history), cfg, engine, mesh, "bfloat16",
-                            make_attention("auto", cfg, mesh)).compile().as_text()
+        hlo = _sampler_program(gpu_devices("h100", "1x1x1"), history).as_text()
         copies = [line for line in hlo.splitlines() if " copy(" in line and "f32[256,151936]" in line.split("copy(")[0]]
         assert history or not copies, copies
 
