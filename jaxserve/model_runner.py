@@ -38,10 +38,11 @@ from jaxserve.model.expert_parallel import make_moe
 from jaxserve.model.kv_heads import duplicate_kv_heads
 from jaxserve.model.weights import Weights
 from jaxserve.packing import pack
+from jaxserve.program_store import ProgramTable, cache_directory, fingerprint
 from jaxserve.quant import kv as kv_quant
 from jaxserve.buckets import Program, serving_programs
-from jaxserve.programs import (copy_step, copy_width, dummy_arrays, dummy_sampling, forward_step, kv_dtype,
-                               lower_program, rows_width, sample_step)
+from jaxserve.programs import (DONATED, FORWARD_STATICS, copy_step, copy_width, dummy_arrays, dummy_sampling,
+                               forward_step, kv_dtype, lower_program, rows_width, sample_step)
 from jaxserve.sampler import SamplerOutput, SamplingTensors, bitmask_words
 from jaxserve.draft_runner import DraftRunner, check_compatible
 from jaxserve.eagle_runner import EagleRunner
@@ -148,6 +149,10 @@ class ModelRunner:
         self.eagle = (EagleRunner(*eagle, weights.embed, engine_cfg, mesh, self.dtype, self._put)
                       if eagle is not None else None)
         self._aux: jax.Array | None = None  # with an EAGLE-3 head: the last forward's [T, 3 D] states
+        # forward/sample/copy programs by bucket, loaded from the compilation cache dir without tracing
+        self.programs = ProgramTable(cache_directory(), fingerprint(model_cfg, engine_cfg, self.dtype, rules,
+                                                                    mesh.shape, mesh.devices.tolist()),
+                                     list(mesh.devices.flat))
         # the proposer's pool mirrors the target's pages: its pages move between the tiers too
         self._proposer_tier = (HostTier(self.proposer.kv, self._put)
                                if self.host_tier is not None and self.proposer is not None else None)
@@ -241,7 +246,7 @@ class ModelRunner:
     def _copy_pages(self, copies: np.ndarray) -> None:
         if len(copies):
             src, dst = self._put(self._pad_copies(copies))
-            self.kv = copy_step(self.kv, src, dst)
+            self.kv = self.programs.call(("copy",), copy_step, {}, DONATED, self.kv, src, dst)
             if self.proposer is not None:  # its pool mirrors the target's pages
                 self.proposer.copy_pages(copy_step, src, dst)
 
@@ -323,7 +328,10 @@ class ModelRunner:
 
     def _forward(self, arrays: StepArrays) -> tuple[jax.Array, kv_cache.KVPages]:
         """(logits, pages); with an EAGLE-3 head its input states are kept for the fill (sample)."""
-        logits, kv, *aux = forward_step(self.weights, **self._forward_args(arrays))
+        args = self._forward_args(arrays)
+        statics = {k: args.pop(k) for k in FORWARD_STATICS}
+        logits, kv, *aux = self.programs.call(("forward", statics["spec"]), forward_step, statics, DONATED,
+                                              self.weights, **args)
         if aux:
             self._aux = aux[0]
         return logits, kv
@@ -339,8 +347,8 @@ class ModelRunner:
                     np.full((rows, bitmask_words(self.model_cfg.vocab_size)), -1, np.int32))
         else:
             mask = self._put(bitmask)
-        return sample_step(logits, self._put(packed), mask, spec=spec, vocab_size=self.model_cfg.vocab_size,
-                           width=self._rows_width)
+        statics = dict(spec=spec, vocab_size=self.model_cfg.vocab_size, width=self._rows_width)
+        return self.programs.call(("sample", spec), sample_step, statics, (), logits, self._put(packed), mask)
 
     def compile(self, program: Program) -> jax.stages.Compiled:
         """One serving program compiled from shapes alone (for memory and HLO inspection)."""
@@ -401,5 +409,6 @@ class ModelRunner:
             self.proposer.kv = warm_page_moves(self.proposer.kv, self._put)
         self.warmed_up = True
         seconds = time.perf_counter() - start
-        logger.info("warm-up compiled %d programs in %.1fs", len(programs), seconds)
+        logger.info("warm-up compiled %d programs in %.1fs (%d loaded without tracing, %d compiled)", len(programs),
+                    seconds, self.programs.loaded, self.programs.compiled)
         return seconds

@@ -44,8 +44,9 @@ def _forward_packed(weights: Weights, kv: kv_cache.KVPages, packed: jax.Array, s
     return forward_paged(weights, cfg, kv, unpack(packed, spec), attention_fn, prev_ids, lora, aux_layers, moe_fn)
 
 
-forward_step = jax.jit(_forward_packed, static_argnames=("spec", "cfg", "attention_fn", "aux_layers", "moe_fn"),
-                       donate_argnames=("kv",))
+FORWARD_STATICS = ("spec", "cfg", "attention_fn", "aux_layers", "moe_fn")
+DONATED = ("kv",)  # the KV pool, in forward_step and copy_step (program_store.py jits them again)
+forward_step = jax.jit(_forward_packed, static_argnames=FORWARD_STATICS, donate_argnames=DONATED)
 
 
 def _sample_and_keep(logits: jax.Array, packed: jax.Array, bitmask: jax.Array, spec: PackSpec, vocab_size: int,
@@ -58,7 +59,7 @@ def _sample_and_keep(logits: jax.Array, packed: jax.Array, bitmask: jax.Array, s
 
 
 sample_step = jax.jit(_sample_and_keep, static_argnames=("spec", "vocab_size", "width"))
-copy_step = jax.jit(kv_cache.copy_pages, donate_argnums=(0,))
+copy_step = jax.jit(kv_cache.copy_pages, donate_argnames=DONATED)
 
 
 def rows_width(engine_cfg: EngineConfig) -> int:

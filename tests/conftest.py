@@ -21,7 +21,14 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
 
+from jaxserve import model_runner  # noqa: E402
 from jaxserve.model_runner import ModelRunner  # noqa: E402
+
+# Runners keep their programs in memory only here: the on-disk program store pins every program it
+# loads or stores for the life of the process (program_store.py says why), which would defeat the
+# memory-map budget below. tests/test_program_store.py turns it on with directories of its own, and
+# servers started as subprocesses use it as users get it.
+model_runner.cache_directory = lambda: None
 
 
 def _memory_maps() -> int:
@@ -52,9 +59,12 @@ _MAPS_BUDGET = _max_memory_maps() // 2
 def _memory_map_budget():
     yield  # autouse: set up first, so torn down after the module's own fixtures (its servers stopped)
     if _MAPS_BUDGET and _memory_maps() > _MAPS_BUDGET:
+        runners = [o for o in gc.get_objects() if type(o) is ModelRunner]
+        for runner in runners:  # their AOT programs (program_store.py) hold maps of their own
+            runner.programs.clear()
         jax.clear_caches()
         gc.collect()
-        for runner in [o for o in gc.get_objects() if type(o) is ModelRunner and o.warmed_up]:
+        for runner in [r for r in runners if r.warmed_up]:
             runner.warmed_up = False
             runner.warmup()
 

@@ -1,0 +1,148 @@
+"""Serving programs kept on disk (program_store.py): a restart loads them without tracing or
+lowering and serves the same tokens; a changed input or a bad entry compiles again."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from engine_utils import SMALL_ENGINE, greedy, make_core, run_all, tiny_model
+from jaxserve import model_runner, program_store
+from jaxserve.buckets import serving_programs
+from jaxserve.config import EngineConfig
+from jaxserve.engine import EngineCore
+from jaxserve.program_store import ProgramTable, fingerprint
+from jaxserve.request import Request
+from jaxserve.sharding import make_mesh
+
+_TRACE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
+_traced = {"count": 0}
+_lock = threading.Lock()
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    if event in _TRACE_EVENTS:
+        with _lock:
+            _traced["count"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    cfg, weights, _ = tiny_model(tmp_path_factory.mktemp("model"))
+    return cfg, weights
+
+
+def _requests() -> list[Request]:
+    return [Request(f"r{i}", list(range(3 + 7 * i, 3 + 7 * i + n)), greedy(9)) for i, n in enumerate((5, 19, 30))]
+
+
+def _core(model, **overrides) -> EngineCore:
+    """An engine on the tiny model, not yet warmed up."""
+    return EngineCore(*model, EngineConfig(**{**SMALL_ENGINE, **overrides}), make_mesh(1, 1))
+
+
+def _programs(core: EngineCore) -> int:
+    return len(serving_programs(core.runner.engine_cfg, core.runner.model_cfg))
+
+
+def test_a_restart_loads_every_program_without_tracing_and_serves_the_same_tokens(model, tmp_path, monkeypatch):
+    monkeypatch.setattr(model_runner, "cache_directory", lambda: str(tmp_path))
+    first = _core(model)
+    first.runner.warmup()
+    n = _programs(first)
+    assert (first.runner.programs.compiled, first.runner.programs.loaded) == (n, 0)
+    assert len(list((tmp_path / "jaxserve-programs").rglob("*.bin"))) == n
+    expected = run_all(first, _requests())
+
+    # a restart is a new process: forget what this one holds, so every entry is read from disk
+    program_store._PROCESS_PROGRAMS.clear()
+    restart = _core(model)
+    before = _traced["count"]
+    restart.runner.warmup()
+    assert _traced["count"] == before, "a warm restart traced or lowered a program"
+    assert (restart.runner.programs.compiled, restart.runner.programs.loaded) == (0, n)
+    assert run_all(restart, _requests()) == expected
+    assert restart.runner.compilations_after_warmup == 0
+    again = _core(model)  # a second engine in the process shares the loaded programs: none read twice
+    again.runner.warmup()
+    assert (again.runner.programs.compiled, again.runner.programs.loaded) == (0, n)
+    assert run_all(again, _requests()) == expected
+
+
+def test_another_engine_config_is_another_key_and_a_bad_entry_is_compiled_again(model, tmp_path, monkeypatch,
+                                                                                  caplog):
+    monkeypatch.setattr(model_runner, "cache_directory", lambda: str(tmp_path))
+    jax.clear_caches()  # the programs the test above ran (see below)
+    first = make_core(*model)
+    n = _programs(first)
+    firsts = sorted((tmp_path / "jaxserve-programs").rglob("_forward_packed-*.bin"))
+    other = make_core(*model, max_model_len=64)  # another config: its programs compile under their own keys
+    assert (other.runner.programs.compiled, other.runner.programs.loaded) == (_programs(other), 0)
+    bad = firsts[0]
+    bad.write_bytes(b"not a program")
+    caplog.set_level(logging.WARNING, logger="jaxserve.program_store")
+    # jax hands back its in-memory executable for an HLO it compiled before, and XLA:CPU cannot
+    # serialize one that has run (its sort comparator is resolved at first run): start afresh
+    jax.clear_caches()
+    third = make_core(*model)
+    assert (third.runner.programs.compiled, third.runner.programs.loaded) == (1, n - 1)
+    assert any("unreadable" in r.getMessage() and bad.name in r.getMessage() for r in caplog.records)
+    assert bad.read_bytes() != b"not a program"  # rewritten
+    assert run_all(third, _requests()) == run_all(first, _requests())
+
+
+def test_fingerprint_changes_with_the_source_the_configs_and_the_flags(tmp_path, monkeypatch):
+    package = tmp_path / "jaxserve_probe_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(program_store, "_SOURCE_PACKAGES", ("jaxserve_probe_pkg",))
+    base = fingerprint("config-a")
+    assert fingerprint("config-a") == base
+    assert fingerprint("config-b") != base
+    (package / "__init__.py").write_text("X = 2\n")
+    assert fingerprint("config-a") != base
+    (package / "__init__.py").write_text("X = 1\n")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    assert fingerprint("config-a") != base
+    sys.modules.pop("jaxserve_probe_pkg", None)
+
+
+def test_a_call_with_another_signature_falls_back_to_jit(tmp_path, caplog):
+    def scaled(x, scale):
+        return x * scale
+
+    double = jax.jit(scaled, static_argnames=("scale",))
+    table = ProgramTable(tmp_path, "fp", jax.devices()[:1])
+    assert table.call("k", double, {"scale": 2}, (), jnp.ones(3)).tolist() == [2.0] * 3
+    assert table.compiled == 1 and len(list((tmp_path / "jaxserve-programs").rglob("*.bin"))) == 1
+    caplog.set_level(logging.WARNING, logger="jaxserve.program_store")
+    assert table.call("k", double, {"scale": 2}, (), jnp.ones(4)).tolist() == [2.0] * 4
+    assert any("another signature" in r.getMessage() for r in caplog.records)
+    again = ProgramTable(tmp_path, "fp", jax.devices()[:1])
+    assert again.call("k", double, {"scale": 2}, (), jnp.arange(3.0)).tolist() == [0.0, 2.0, 4.0]
+    assert (again.loaded, again.compiled) == (1, 0)
+    assert ProgramTable(tmp_path, "fp", jax.devices()[:1]).call("k", double, {"scale": 3}, (), jnp.ones(3)).tolist() == [3.0] * 3
+
+
+def test_a_program_served_by_jaxs_own_cache_is_not_stored(tmp_path, monkeypatch, caplog):
+    """An XLA:CPU executable jax loaded from its persistent cache re-serializes into an entry that
+    fails when loaded: such a compile is used but not stored."""
+    def plus(x, k):
+        return x + k
+
+    hits = iter(range(100))
+    monkeypatch.setattr(program_store, "_cache_hits", lambda: next(hits))  # every compile "hits"
+    caplog.set_level(logging.INFO, logger="jaxserve.program_store")
+    table = ProgramTable(tmp_path, "fp", jax.devices()[:1])
+    assert table.call("k", jax.jit(plus, static_argnames=("k",)), {"k": 1}, (), jnp.ones(2)).tolist() == [2.0, 2.0]
+    assert table.compiled == 1 and not list(tmp_path.rglob("*.bin"))
+    assert any("not stored" in r.getMessage() for r in caplog.records)
