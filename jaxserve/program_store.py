@@ -16,6 +16,7 @@ the jitted function, which compiles as before and is counted as a compilation af
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -58,6 +59,17 @@ jax.monitoring.register_event_listener(_count_hit)
 
 def _cache_hits() -> int:
     return getattr(_hits, "count", 0)
+
+
+def _no_jax_cache_write() -> Any:
+    """A context in which jax does not write its own cache entry for what it compiles: the store's
+    compiles have module names of their own that no later start asks jax's cache for (the entry
+    would double the disk and the serialization time of a cold start)."""
+    try:
+        from jax._src import config as jax_config  # no public per-thread switch for the cache write
+        return jax_config.persistent_cache_min_compile_time_secs(float("inf"))
+    except (ImportError, AttributeError, TypeError):
+        return contextlib.nullcontext()
 
 
 def _entry(path: Path) -> tuple[str, int, int] | None:
@@ -186,14 +198,20 @@ class ProgramTable:
                                                donate_argnames=donate_argnames)
         return jitted
 
+    def _path(self, fn: Any, statics: dict[str, Any], args: tuple, kwargs: dict) -> Path | None:
+        """The program's entry: its function's name and a hash of its signature and statics (None,
+        with a warning, when a static argument's text holds an address: a new key in every process)."""
+        text = "\0".join([_signature(args, kwargs)] + [f"{k}={_stable(v)}" for k, v in sorted(statics.items())])
+        if " at 0x" in text:
+            logger.warning("%s has a static argument without a stable text: not stored (...%s)", fn.__name__,
+                           text[text.index(" at 0x") - 60:][:100])
+            return None
+        return self._dir / f"{fn.__name__}-{hashlib.sha256((fn.__name__ + text).encode()).hexdigest()[:32]}.bin"
+
     def _load_or_compile(self, fn: Any, statics: dict[str, Any], donate: tuple[str, ...], args: tuple,
                          kwargs: dict) -> jax.stages.Compiled:
-        path = None
-        if self._dir is not None:
-            name = getattr(fn, "__name__", "program")
-            key = hashlib.sha256("\0".join([name, _signature(args, kwargs)] + [
-                f"{k}={_stable(v)}" for k, v in sorted(statics.items())]).encode()).hexdigest()
-            path = self._dir / f"{name}-{key[:32]}.bin"
+        path = self._path(fn, statics, args, kwargs) if self._dir is not None else None
+        if path is not None:
             future = self._pending.pop(path.name, None)
             if future is not None or path.exists():
                 try:
@@ -208,7 +226,8 @@ class ProgramTable:
             self.compiled += 1
             return compiled
         hits = _cache_hits()
-        compiled = self._own_jit(fn, tuple(statics), donate).lower(*args, **kwargs, **statics).compile()
+        with _no_jax_cache_write():
+            compiled = self._own_jit(fn, tuple(statics), donate).lower(*args, **kwargs, **statics).compile()
         self.compiled += 1
         if _cache_hits() != hits:
             logger.info("program %s came from jax's compilation cache: not stored (re-serialized, such an "

@@ -146,3 +146,28 @@ def test_a_program_served_by_jaxs_own_cache_is_not_stored(tmp_path, monkeypatch,
     assert table.call("k", jax.jit(plus, static_argnames=("k",)), {"k": 1}, (), jnp.ones(2)).tolist() == [2.0, 2.0]
     assert table.compiled == 1 and not list(tmp_path.rglob("*.bin"))
     assert any("not stored" in r.getMessage() for r in caplog.records)
+
+
+def test_the_stores_compiles_skip_jaxs_own_cache_write():
+    """jax's entry for a store compile (a module name of the store's own) would never be read."""
+    from jax._src import config as jax_config
+
+    before = jax_config.persistent_cache_min_compile_time_secs.value
+    with program_store._no_jax_cache_write():
+        assert jax_config.persistent_cache_min_compile_time_secs.value == float("inf")
+    assert jax_config.persistent_cache_min_compile_time_secs.value == before
+
+
+def test_a_static_argument_without_a_stable_text_is_not_stored(tmp_path, caplog):
+    class Opaque:  # default repr: an address, different in every process
+        pass
+
+    def ident(x, thing):
+        return x
+
+    caplog.set_level(logging.WARNING, logger="jaxserve.program_store")
+    table = ProgramTable(tmp_path, "fp", jax.devices()[:1])
+    assert table.call("k", jax.jit(ident, static_argnames=("thing",)), {"thing": Opaque()}, (),
+                      jnp.ones(2)).tolist() == [1.0, 1.0]
+    assert table.compiled == 1 and not list(tmp_path.rglob("*.bin"))
+    assert any("without a stable text" in r.getMessage() for r in caplog.records)
