@@ -2,7 +2,7 @@
 
 JAX's persistent compilation cache keys an executable on its lowered HLO, so a warm restart still
 traces and lowers every program before it can look one up: that was ~70 % of a warm start of the
-default model (42 forward programs, each with the CPU attention's tile loops). This table keys a
+default model (42 programs: 21 forwards, each with the CPU attention's tile loops, 20 samplers, a page copy). This table keys a
 program instead on what determines it without tracing — the jaxserve/kernels source, the jax and
 backend versions, the XLA flags and jax config, the model and engine configs, the mesh, the static
 arguments and the shapes/dtypes/shardings of the arguments — and stores the serialized executable
