@@ -157,9 +157,6 @@ class ProgramTable:
             self._pending = {path.name: pool.submit(self._load, path) for path in entries}
             pool.shutdown(wait=False)
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._compiled
-
     def clear(self) -> None:
         """Drops this table's programs (those from the store stay in the process: _PROCESS_PROGRAMS)."""
         self._compiled.clear()
@@ -221,14 +218,12 @@ class ProgramTable:
                 except Exception as e:  # noqa: BLE001 — a bad entry is recompiled and rewritten
                     logger.warning("compiled program %s unreadable (%s: %s): compiling it", path.name,
                                    type(e).__name__, e)
+        self.compiled += 1
         if path is None:
-            compiled = fn.lower(*args, **kwargs, **statics).compile()
-            self.compiled += 1
-            return compiled
+            return fn.lower(*args, **kwargs, **statics).compile()
         hits = _cache_hits()
         with _no_jax_cache_write():
             compiled = self._own_jit(fn, tuple(statics), donate).lower(*args, **kwargs, **statics).compile()
-        self.compiled += 1
         if _cache_hits() != hits:
             logger.info("program %s came from jax's compilation cache: not stored (re-serialized, such an "
                         "XLA:CPU executable fails when loaded)", path.name)
