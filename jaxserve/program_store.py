@@ -7,7 +7,8 @@ program instead on what determines it without tracing — the jaxserve/kernels s
 backend versions, the XLA flags and jax config, the model and engine configs, the mesh, the static
 arguments and the shapes/dtypes/shardings of the arguments — and stores the serialized executable
 with its call signature (jax.experimental.serialize_executable) under the compilation cache
-directory. A restart then deserializes each program and calls it: no trace, no lowering.
+directory. A restart then deserializes each program and calls it: no trace, no lowering. Sets of programs
+that no start has used for two weeks, or beyond the eight most recently used, are removed (prune).
 
 Steps dispatch through the same table (`Compiled.__call__`, jax's C++ fast path). A call whose
 arguments do not match the compiled signature (a sharding the warm-up did not see) falls back to
@@ -22,7 +23,9 @@ import hashlib
 import logging
 import os
 import pickle
+import shutil
 import threading
+import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -36,6 +39,11 @@ logger = logging.getLogger("jaxserve.program_store")
 _SOURCE_PACKAGES = ("jaxserve", "kernels_pallas", "checkpoints")
 _ENV_FLAGS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "TPU_ACCELERATOR_TYPE")
 _SUBDIR = "jaxserve-programs"
+# Program sets (one per fingerprint) kept besides the one in use: the most recently used up to this
+# many, none idle longer than _MAX_IDLE_S. A jaxserve or jax upgrade, or a config change, makes a
+# new set and never reads the old ones again; a set of the default model is ~30 MB, bench-105m's ~45.
+MAX_KEPT_SETS = 8
+_MAX_IDLE_S = 14 * 24 * 3600
 
 # Every program this process took from or put in the store, by its entry as it is on disk (path,
 # size, mtime), kept for the life of the process: XLA:CPU fails at run time ("Function ... not
@@ -142,6 +150,8 @@ class ProgramTable:
 
     def __init__(self, directory: str | Path | None, fingerprint: str, devices: list[Any]) -> None:
         self._dir = Path(directory) / _SUBDIR / fingerprint[:32] if directory else None
+        if self._dir is not None:
+            prune(self._dir)
         self._devices = devices
         self._name_suffix = fingerprint[:12]
         self._jits: dict[Any, Any] = {}  # function -> its jax.jit under this fingerprint's name
@@ -258,6 +268,43 @@ class ProgramTable:
         except Exception as e:  # noqa: BLE001 — serving goes on without the entry
             logger.warning("could not store compiled program %s (%s: %s)", path.name, type(e).__name__, e)
             return False
+
+
+def prune(current: Path, now: float | None = None) -> list[Path]:
+    """Marks the program set `current` as used now and removes the other sets of its store that are
+    idle longer than _MAX_IDLE_S or older than the MAX_KEPT_SETS most recently used. Returns the
+    removed directories. Only directories named like a set (32 hex digits) are touched."""
+    now = time.time() if now is None else now
+    with contextlib.suppress(OSError):
+        if current.is_dir():
+            os.utime(current, (now, now))
+    try:
+        others = [(used, d) for d in current.parent.iterdir() if d != current and (used := _set_used(d)) is not None]
+    except OSError:  # no store yet
+        return []
+    others.sort(reverse=True)
+    removed = []
+    for i, (used, d) in enumerate(others):
+        if i < MAX_KEPT_SETS and now - used <= _MAX_IDLE_S:
+            continue
+        size = sum(f.stat().st_size for f in d.glob("*") if f.is_file())
+        shutil.rmtree(d, ignore_errors=True)  # a concurrent start may remove it first
+        if not d.exists():
+            removed.append(d)
+            logger.info("removed the unused compiled programs %s (%.1f MB)", d, size / 1e6)
+    return removed
+
+
+def _set_used(path: Path) -> float | None:
+    """When the program set at `path` was last used (its mtime), or None if it is not a set."""
+    name = path.name
+    if len(name) != 32 or any(c not in "0123456789abcdef" for c in name) or path.is_symlink():
+        return None
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime if path.is_dir() else None
 
 
 def cache_directory() -> str | None:

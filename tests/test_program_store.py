@@ -171,3 +171,37 @@ def test_a_static_argument_without_a_stable_text_is_not_stored(tmp_path, caplog)
                       jnp.ones(2)).tolist() == [1.0, 1.0]
     assert table.compiled == 1 and not list(tmp_path.rglob("*.bin"))
     assert any("without a stable text" in r.getMessage() for r in caplog.records)
+
+
+def test_unused_program_sets_are_removed_and_recent_ones_kept(tmp_path, monkeypatch):
+    """A new fingerprint (an upgrade, another config) never reads the old set again: sets idle two
+    weeks, or beyond the most recently used MAX_KEPT_SETS, go; the set in use and others' files stay."""
+    import os
+    import time
+
+    monkeypatch.setattr(program_store, "MAX_KEPT_SETS", 2)
+    store = tmp_path / "jaxserve-programs"
+    now = time.time()
+
+    def make_set(name: str, age_days: float):
+        d = store / name
+        d.mkdir(parents=True)
+        (d / "forward_step-x.bin").write_bytes(b"\0" * 1000)
+        os.utime(d, (now - age_days * 86400,) * 2)
+        return d
+
+    current = make_set("a" * 32, 30)          # in use: kept and marked used, however old
+    (current / "forward_step-x.bin").unlink()  # (a table starts loading its own entries at once)
+    os.utime(current, (now - 30 * 86400,) * 2)
+    recent = [make_set(c * 32, age) for c, age in (("b", 1), ("c", 2))]
+    third = make_set("d" * 32, 3)             # within two weeks but beyond the 2 most recent
+    idle = make_set("e" * 32, 15)             # idle over two weeks
+    foreign = store / "not-a-program-set"
+    foreign.mkdir()
+    os.utime(foreign, (now - 100 * 86400,) * 2)
+
+    table = ProgramTable(tmp_path, "a" * 64, jax.devices()[:1])
+    assert sorted(p.name for p in store.iterdir()) == sorted([current.name, *(d.name for d in recent), foreign.name])
+    assert now - current.stat().st_mtime < 60
+    assert not third.exists() and not idle.exists()
+    assert table.loaded == 0
