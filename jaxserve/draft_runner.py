@@ -32,7 +32,8 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model.attention import make_attention
 from jaxserve.model.weights import Weights
 from jaxserve.packing import pack
-from jaxserve.programs import dummy_arrays, forward_step, kv_dtype, rows_width
+from jaxserve.program_store import ProgramTable
+from jaxserve.programs import DONATED, dummy_arrays, forward_step, kv_dtype, rows_width
 from jaxserve.sampler import argmax_rows
 from jaxserve.scheduler import ScheduledChunk
 from jaxserve.step_inputs import StepArrays
@@ -93,7 +94,7 @@ def proposal_arrays(buckets: Sequence[tuple[int, int]], page_size: int, pad_slot
 
 class DraftRunner:
     def __init__(self, cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh, dtype: Any,
-                 put: Any) -> None:
+                 put: Any, programs: ProgramTable) -> None:
         self.cfg = cfg
         self.weights = weights
         self.engine_cfg = engine_cfg
@@ -101,6 +102,7 @@ class DraftRunner:
                                     kv_dtype(engine_cfg, dtype), mesh)
         self._attention = make_attention(engine_cfg.attention_backend, cfg, mesh)
         self._put = put
+        self._programs = programs  # the target's table: the draft's programs are stored with its own
         self._buckets = declared_buckets(engine_cfg)
         self._width = rows_width(engine_cfg)  # the target's prev_ids length: fill passes its buffer
         self._pad_slot = engine_cfg.num_kv_pages * engine_cfg.page_size
@@ -108,9 +110,14 @@ class DraftRunner:
 
     def _forward(self, arrays: StepArrays, prev_ids: jax.Array) -> jax.Array:
         packed, spec = pack(arrays)
-        logits, self.kv = forward_step(self.weights, kv=self.kv, packed=self._put(packed), spec=spec, cfg=self.cfg,
-                                       attention_fn=self._attention, prev_ids=prev_ids)
+        statics = dict(spec=spec, cfg=self.cfg, attention_fn=self._attention)
+        logits, self.kv = self._programs.call(("draft", "forward", spec), forward_step, statics, DONATED, self.weights,
+                                              kv=self.kv, packed=self._put(packed), prev_ids=prev_ids)
         return logits
+
+    def _argmax(self, logits: jax.Array) -> jax.Array:
+        statics = dict(vocab_size=self.cfg.vocab_size, width=self._width)
+        return self._programs.call(("draft", "argmax", logits.shape), _argmax_step, statics, (), logits)
 
     def fill(self, arrays: StepArrays, prev_ids: jax.Array) -> None:
         """The draft's K/V for the target step's tokens (same slots, same in-flight ids)."""
@@ -134,7 +141,7 @@ class DraftRunner:
             arrays = proposal_arrays(self._buckets, self.engine_cfg.page_size, self._pad_slot, tables,
                                      starts, j, j < wanted, first if j == 0 else None,
                                      None if j == 0 else np.arange(n, dtype=np.int32))
-            prev = _argmax_step(self._forward(arrays, prev), vocab_size=self.cfg.vocab_size, width=self._width)
+            prev = self._argmax(self._forward(arrays, prev))
             drafted.append(prev)
         ids = np.stack(jax.device_get(drafted))                             # [steps, width]
         return [ids[:d, i].tolist() for i, d in enumerate(num_drafts)]
@@ -147,6 +154,6 @@ class DraftRunner:
             arrays = dummy_arrays(Program("forward", t, s), max_pages, self._pad_slot)
             self.fill(arrays, prev_ids)
             logits = self._forward(arrays, prev_ids)
-            jax.block_until_ready(_argmax_step(logits, vocab_size=self.cfg.vocab_size, width=self._width))
+            jax.block_until_ready(self._argmax(logits))
         return 2 * len(self._buckets) + len({s for _, s in self._buckets})
 

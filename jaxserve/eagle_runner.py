@@ -40,6 +40,7 @@ from jaxserve.model.paged import paged_attend, resolve_token_ids
 from jaxserve.model.param_spec import is_spec
 from jaxserve.model.weights import Weights
 from jaxserve.packing import PackSpec, pack, unpack
+from jaxserve.program_store import ProgramTable
 from jaxserve.programs import abstract_packed, abstract_weights, dummy_arrays, kv_dtype, rows_width
 from jaxserve.scheduler import ScheduledChunk
 from jaxserve.step_inputs import EagleShift, StepArrays
@@ -106,7 +107,7 @@ def placements(cfg: eagle3.Eagle3Config, mesh: Mesh, rules: sharding.Rules = sha
 
 class EagleRunner:
     def __init__(self, cfg: eagle3.Eagle3Config, weights: eagle3.Eagle3Weights, target_embed: jax.Array,
-                 engine_cfg: EngineConfig, mesh: Mesh, dtype: Any, put: Any) -> None:
+                 engine_cfg: EngineConfig, mesh: Mesh, dtype: Any, put: Any, programs: ProgramTable) -> None:
         self.cfg, self.weights = _duplicate_kv_heads(cfg, weights, mesh)
         self.engine_cfg = engine_cfg
         self._target_embed = target_embed
@@ -114,6 +115,7 @@ class EagleRunner:
                                     kv_dtype(engine_cfg, dtype), mesh)
         self._attention = make_attention(engine_cfg.attention_backend, self.cfg.layer, mesh)
         self._put = put
+        self._programs = programs  # the target's table: the head's programs are stored with its own
         self._buckets = declared_buckets(engine_cfg)
         self._width = rows_width(engine_cfg)
         self._pad_slot = engine_cfg.num_kv_pages * engine_cfg.page_size
@@ -127,9 +129,10 @@ class EagleRunner:
     def _run(self, arrays: EagleArrays, prev_ids: jax.Array, hidden: jax.Array, combine: bool
              ) -> tuple[jax.Array | None, jax.Array]:
         packed, spec = pack(arrays)
-        ids, out, self.kv = _eagle_step(self.weights, self._target_embed, self.kv, self._put(packed), prev_ids,
-                                        hidden, spec=spec, cfg=self.cfg, attention_fn=self._attention,
-                                        combine=combine, width=self._width)
+        statics = dict(spec=spec, cfg=self.cfg, attention_fn=self._attention, combine=combine, width=self._width)
+        ids, out, self.kv = self._programs.call(("eagle", spec, combine, hidden.shape), _eagle_step, statics, ("kv",),
+                                                self.weights, self._target_embed, self.kv, self._put(packed),
+                                                prev_ids, hidden)
         return ids, out
 
     def fill(self, arrays: StepArrays, shift: EagleShift, aux: jax.Array, sampled: jax.Array) -> None:
@@ -145,7 +148,9 @@ class EagleRunner:
     def _first(self, rows: Sequence[int]) -> jax.Array:
         padded = np.zeros(choose_bucket(self._buckets, len(rows), len(rows))[1], np.int32)
         padded[:len(rows)] = rows
-        return _first_drafts(self.weights, self._hidden, self._put(padded), cfg=self.cfg, width=self._width)
+        statics = dict(cfg=self.cfg, width=self._width)
+        return self._programs.call(("eagle", "first", len(padded)), _first_drafts, statics, (), self.weights,
+                                   self._hidden, self._put(padded))
 
     def propose(self, chunks: Sequence[ScheduledChunk], rows: Sequence[int], num_drafts: Sequence[int]
                 ) -> list[list[int]]:

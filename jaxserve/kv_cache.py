@@ -12,6 +12,8 @@ Pages are allocated and freed on the host (page_allocator.py); this file never d
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, NamedTuple
 
 import jax
@@ -89,9 +91,15 @@ def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, mesh:
 def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, mesh: Mesh,
              rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVPages:
     """A zeroed pool (every array its own buffer, so each can be donated)."""
-    def zeros(spec: jax.ShapeDtypeStruct) -> jax.Array:
-        return jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=spec.sharding)()
-    return jax.tree.map(zeros, abstract(cfg, num_pages, page_size, dtype, mesh, rules))
+    return jax.tree.map(lambda spec: _zeros(spec.shape, spec.dtype, spec.sharding)(),
+                        abstract(cfg, num_pages, page_size, dtype, mesh, rules))
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape: tuple[int, ...], dtype: Any, placement: NamedSharding) -> Any:
+    """A program making one zeroed array placed by `placement` (every layer's pages share one: a
+    program per layer was a trace and a compile per layer at every start)."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=placement)
 
 
 def write(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:

@@ -144,15 +144,16 @@ class ModelRunner:
         # [rows_width] int32: the last dispatched step's sampled ids, on the device
         self._prev_ids = self._put(np.zeros(self._rows_width, np.int32))
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> [rows, W] int32 all-ones bitmask
-        self.draft = (DraftRunner(*draft, engine_cfg, mesh, self.dtype, self._put)
-                      if draft is not None and eagle is None else None)
-        self.eagle = (EagleRunner(*eagle, weights.embed, engine_cfg, mesh, self.dtype, self._put)
-                      if eagle is not None else None)
-        self._aux: jax.Array | None = None  # with an EAGLE-3 head: the last forward's [T, 3 D] states
-        # forward/sample/copy programs by bucket, loaded from the compilation cache dir without tracing
+        # every program by bucket (the target's, and a draft's or EAGLE head's), loaded from the
+        # compilation cache dir without tracing
         self.programs = ProgramTable(cache_directory(), fingerprint(model_cfg, engine_cfg, self.dtype, rules,
                                                                     mesh.shape, mesh.devices.tolist()),
                                      list(mesh.devices.flat))
+        self.draft = (DraftRunner(*draft, engine_cfg, mesh, self.dtype, self._put, self.programs)
+                      if draft is not None and eagle is None else None)
+        self.eagle = (EagleRunner(*eagle, weights.embed, engine_cfg, mesh, self.dtype, self._put, self.programs)
+                      if eagle is not None else None)
+        self._aux: jax.Array | None = None  # with an EAGLE-3 head: the last forward's [T, 3 D] states
         # the proposer's pool mirrors the target's pages: its pages move between the tiers too
         self._proposer_tier = (HostTier(self.proposer.kv, self._put)
                                if self.host_tier is not None and self.proposer is not None else None)

@@ -2,13 +2,14 @@
 
 JAX's persistent compilation cache keys an executable on its lowered HLO, so a warm restart still
 traces and lowers every program before it can look one up: that was ~70 % of a warm start of the
-default model (42 programs: 21 forwards, each with the CPU attention's tile loops, 20 samplers, a page copy). This table keys a
-program instead on what determines it without tracing — the jaxserve/kernels source, the jax and
-backend versions, the XLA flags and jax config, the model and engine configs, the mesh, the static
-arguments and the shapes/dtypes/shardings of the arguments — and stores the serialized executable
-with its call signature (jax.experimental.serialize_executable) under the compilation cache
-directory. A restart then deserializes each program and calls it: no trace, no lowering. Sets of programs
-that no start has used for two weeks, or beyond the eight most recently used, are removed (prune).
+default model (42 programs: 21 forwards, each with the CPU attention's tile loops, 20 samplers, a
+page copy; a draft model or EAGLE head adds its own). This table keys a program instead on what
+determines it without tracing — the jaxserve/kernels source, the jax and backend versions, the XLA
+flags and jax config, the model and engine configs, the mesh, the static arguments and the
+shapes/dtypes/shardings of the arguments — and stores the serialized executable with its call
+signature (jax.experimental.serialize_executable) under the compilation cache directory. A restart
+then deserializes each program and calls it: no trace, no lowering. Sets of programs that no start
+has used for two weeks, or beyond the MAX_KEPT_SETS most recently used, are removed (prune).
 
 Steps dispatch through the same table (`Compiled.__call__`, jax's C++ fast path). A call whose
 arguments do not match the compiled signature (a sharding the warm-up did not see) falls back to

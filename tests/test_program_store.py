@@ -205,3 +205,41 @@ def test_unused_program_sets_are_removed_and_recent_ones_kept(tmp_path, monkeypa
     assert now - current.stat().st_mtime < 60
     assert not third.exists() and not idle.exists()
     assert table.loaded == 0
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_a_restart_loads_a_draft_models_or_eagle_heads_programs_too(tmp_path, monkeypatch, method):
+    """The proposer's forwards (and its argmax / first drafts) are stored with the target's: a warm
+    restart with speculative decoding traces nothing either, and proposes the same."""
+    from engine_utils import make_core
+
+    jax.clear_caches()  # executables earlier tests ran cannot be serialized (see above)
+    monkeypatch.setattr(model_runner, "cache_directory", lambda: str(tmp_path / "cache"))
+    if method == "draft_model":
+        cfg, weights, _ = tiny_model(tmp_path / "target")
+        proposer = tmp_path / "target"  # the target as its own draft, read from its directory
+    else:
+        from eagle3_heads import head_config, write_head
+
+        cfg, weights, hf = tiny_model(tmp_path / "target", "llama3-gqa-tied", seed=3, num_hidden_layers=4)
+        proposer = tmp_path / "head"
+        write_head(proposer, head_config(hf, aux_layers=[0, 1, 3]), seed=1)
+    spec = {"method": method, "model": str(proposer), "num_speculative_tokens": 3}
+    requests = lambda: [Request(f"s{i}", [5, 17, 33, 8] * 3 + [5 + i], greedy(12)) for i in range(3)]  # noqa: E731
+    first = make_core(cfg, weights, speculative_config=spec)
+    target_programs = _programs(first)
+    stored = first.runner.programs.compiled
+    assert stored > target_programs and first.runner.programs.loaded == 0  # the proposer's are in the table
+    assert len(list((tmp_path / "cache" / "jaxserve-programs").rglob("*.bin"))) == stored
+    expected = run_all(first, requests())
+    assert first.scheduler.spec_stats.num_draft_tokens > 0
+
+    program_store._PROCESS_PROGRAMS.clear()  # a new process
+    restart = EngineCore(cfg, weights, EngineConfig(**{**SMALL_ENGINE, "speculative_config": spec}), make_mesh(1, 1))
+    before = _traced["count"]
+    restart.runner.warmup()
+    assert _traced["count"] == before, "a warm restart traced or lowered a program"
+    assert (restart.runner.programs.compiled, restart.runner.programs.loaded) == (0, stored)
+    assert run_all(restart, requests()) == expected
+    assert restart.scheduler.spec_stats.num_draft_tokens == first.scheduler.spec_stats.num_draft_tokens
+    assert restart.runner.compilations_after_warmup == 0
