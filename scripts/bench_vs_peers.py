@@ -31,6 +31,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -384,6 +385,8 @@ def served_model_name(base_url: str, fallback: str) -> str:
 
 class ServerSystem:
     """Starts its server on first use (kept for all runs), warms it, then runs the load generator.
+    Between its runs the server is stopped with SIGSTOP (SIGCONT before the next run and before it
+    is shut down): another system's run shares these cores with no idle peer's threads.
 
     `fresh_cache_salt`: every run sends its own `cache_salt`, so a prefix-caching server cannot
     reuse the prompts of an earlier run (the same prompts are sent once per rate and repeat).
@@ -400,6 +403,13 @@ class ServerSystem:
         self.log_path, self.start_timeout, self.env = log_path, start_timeout, env
         self.bound, self.fresh_cache_salt, self.exact_lengths = bound, fresh_cache_salt, exact_lengths
         self.started = False
+        self.proc: subprocess.Popen | None = None
+
+    def _signal(self, sig: int) -> None:
+        """sig to the server's process group (it runs in its own session), if it still runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
 
     def _run_cfg(self, rate: float) -> bs.BenchConfig:
         extra = dict(self.cfg.extra_body)
@@ -411,13 +421,19 @@ class ServerSystem:
         if not self.started:
             if http_ok(self.health_url, timeout=1):
                 raise RuntimeError(f"port {self.port} already serves something; not benchmarking a stranger")
-            self.stack.enter_context(server_process(self.cmd, self.health_url, self.log_path,
-                                                    self.start_timeout, self.env))
+            self.proc = self.stack.enter_context(server_process(self.cmd, self.health_url, self.log_path,
+                                                                self.start_timeout, self.env))
+            self.stack.callback(self._signal, signal.SIGCONT)  # runs first: a stopped server cannot exit
             self.started = True
             self.cfg = replace(self.cfg, model=served_model_name(self.cfg.base_url, self.cfg.model))
             # Warm-up (not recorded): compilation, lazy model load, CB worker start.
             bs.run_benchmark(self._run_cfg(math.inf), prompts=self.prompts[:4])
-        report = bs.run_benchmark(self._run_cfg(rate), prompts=self.prompts)
+        else:
+            self._signal(signal.SIGCONT)
+        try:
+            report = bs.run_benchmark(self._run_cfg(rate), prompts=self.prompts)
+        finally:
+            self._signal(signal.SIGSTOP)
         if report["completed"] == 0:
             raise RuntimeError(f"every request failed: {report['errors']}")
         if self.exact_lengths and (problem := length_problems(report)):

@@ -560,6 +560,45 @@ def test_fraction_runs_every_serving_system_per_repeat_at_one_rate():
     assert "no burst" in skipped["skipped"]
 
 
+def test_a_server_is_stopped_between_its_runs_and_shuts_down_promptly(tmp_path, monkeypatch):
+    """Idle peers must not share the cores with another system's run: each server runs only during
+    its own runs (SIGSTOP between them), and a stopped server still exits at the end."""
+    import contextlib
+    import subprocess
+
+    import bench_vs_peers as bvp
+
+    def state(proc: subprocess.Popen) -> str:  # R/S running or sleeping, T stopped
+        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    def settled(proc: subprocess.Popen) -> str:  # a process stops itself when it next runs
+        deadline = time.monotonic() + 5
+        while state(proc) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return state(proc)
+
+    during: list[str] = []
+
+    def fake_run(cfg, prompts):  # the warm-up and each recorded run
+        during.append(state(system.proc))
+        return {"completed": 1}
+
+    monkeypatch.setattr(bvp.bs, "run_benchmark", fake_run)
+    monkeypatch.setattr(bvp, "outcome_from_report", lambda report, bound=None: report)
+    port = bench_common.free_port()
+    cfg = bs.BenchConfig(base_url=f"http://127.0.0.1:{port}", model="m", tokenizer=str(tmp_path), num_requests=3)
+    with contextlib.ExitStack() as stack:
+        system = bvp.ServerSystem(stack, [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                                  port, "/", cfg, [None] * 3, tmp_path / "log", 30.0, None)
+        for _ in range(2):
+            system()
+            assert settled(system.proc) == "T"
+        proc = system.proc
+        t0 = time.monotonic()
+    assert len(during) == 3 and all(s in "RS" for s in during)
+    assert proc.poll() is not None and time.monotonic() - t0 < 5  # SIGCONT first, then a clean SIGTERM
+
+
 def test_peer_report_has_bound_sweep_and_fraction_tables():
     import bench_vs_peers as bvp
 
