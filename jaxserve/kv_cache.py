@@ -13,7 +13,6 @@ Pages are allocated and freed on the host (page_allocator.py); this file never d
 from __future__ import annotations
 
 import functools
-
 from typing import Any, NamedTuple
 
 import jax

@@ -271,11 +271,11 @@ class ProgramTable:
             return False
 
 
-def prune(current: Path, now: float | None = None) -> list[Path]:
+def prune(current: Path) -> list[Path]:
     """Marks the program set `current` as used now and removes the other sets of its store that are
     idle longer than _MAX_IDLE_S or older than the MAX_KEPT_SETS most recently used. Returns the
     removed directories. Only directories named like a set (32 hex digits) are touched."""
-    now = time.time() if now is None else now
+    now = time.time()
     with contextlib.suppress(OSError):
         if current.is_dir():
             os.utime(current, (now, now))
