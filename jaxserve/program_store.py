@@ -271,29 +271,33 @@ class ProgramTable:
             return False
 
 
-def prune(current: Path) -> list[Path]:
+def prune(current: Path) -> None:
     """Marks the program set `current` as used now and removes the other sets of its store that are
-    idle longer than _MAX_IDLE_S or older than the MAX_KEPT_SETS most recently used. Returns the
-    removed directories. Only directories named like a set (32 hex digits) are touched."""
+    idle longer than _MAX_IDLE_S or older than the MAX_KEPT_SETS most recently used. Only
+    directories named like a set (32 hex digits) are touched."""
     now = time.time()
     with contextlib.suppress(OSError):
         if current.is_dir():
             os.utime(current, (now, now))
     try:
-        others = [(used, d) for d in current.parent.iterdir() if d != current and (used := _set_used(d)) is not None]
+        others = sorted(((used, d) for d in current.parent.iterdir()
+                         if d != current and (used := _set_used(d)) is not None), reverse=True)
     except OSError:  # no store yet
-        return []
-    others.sort(reverse=True)
-    removed = []
+        return
     for i, (used, d) in enumerate(others):
         if i < MAX_KEPT_SETS and now - used <= _MAX_IDLE_S:
             continue
-        size = sum(f.stat().st_size for f in d.glob("*") if f.is_file())
+        size = sum(_size(f) for f in d.glob("*"))
         shutil.rmtree(d, ignore_errors=True)  # a concurrent start may remove it first
-        if not d.exists():
-            removed.append(d)
-            logger.info("removed the unused compiled programs %s (%.1f MB)", d, size / 1e6)
-    return removed
+        logger.info("removed the unused compiled programs %s (%.1f MB)", d, size / 1e6)
+
+
+def _size(path: Path) -> int:
+    """A file's bytes; 0 when another start removed it first."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _set_used(path: Path) -> float | None:

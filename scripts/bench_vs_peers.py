@@ -402,8 +402,7 @@ class ServerSystem:
         self.health_url = f"http://127.0.0.1:{port}{health_path}"
         self.log_path, self.start_timeout, self.env = log_path, start_timeout, env
         self.bound, self.fresh_cache_salt, self.exact_lengths = bound, fresh_cache_salt, exact_lengths
-        self.started = False
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | None = None  # the server, once started
 
     def _signal(self, sig: int) -> None:
         """sig to the server's process group (it runs in its own session), if it still runs."""
@@ -418,13 +417,12 @@ class ServerSystem:
         return replace(self.cfg, request_rate=rate, extra_body=extra, json_out=None, plot_dir=None)
 
     def __call__(self, rate: float = math.inf) -> Outcome:
-        if not self.started:
+        if self.proc is None:
             if http_ok(self.health_url, timeout=1):
                 raise RuntimeError(f"port {self.port} already serves something; not benchmarking a stranger")
             self.proc = self.stack.enter_context(server_process(self.cmd, self.health_url, self.log_path,
                                                                 self.start_timeout, self.env))
             self.stack.callback(self._signal, signal.SIGCONT)  # runs first: a stopped server cannot exit
-            self.started = True
             self.cfg = replace(self.cfg, model=served_model_name(self.cfg.base_url, self.cfg.model))
             # Warm-up (not recorded): compilation, lazy model load, CB worker start.
             bs.run_benchmark(self._run_cfg(math.inf), prompts=self.prompts[:4])
