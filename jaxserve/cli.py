@@ -103,8 +103,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     _quantization_arg(g)
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="waiting order: arrival, or the request's priority (lower first) then arrival")
-    g.add_argument("--attention-backend", choices=("auto", "reference", "tpu", "gpu"), default="auto",
-                   help="attention implementation; auto picks the platform's kernel")
+    g.add_argument("--attention-backend", choices=("auto", "reference", "tiled", "cpu", "tpu", "gpu"), default="auto",
+                   help="attention implementation; auto picks the platform's kernel (on CPU: 'cpu', the tiled jnp "
+                        "path with a native decode kernel built at first use, or 'tiled' where no compiler is)")
     g.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache directory; "
                    "'' turns it off (default: $XDG_CACHE_HOME or ~/.cache, then jaxserve/xla)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,

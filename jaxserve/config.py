@@ -297,7 +297,7 @@ class EngineConfig:
     kv_role: str | None = None               # PD disaggregation: "prefill" (exports pages) | "decode" (imports them)
     mesh_shape: tuple[int, int] = (1, 1)     # (data, model)
     layout: str = "tp"                       # logical-axis rules (layouts.RULE_SETS): how the mesh splits the model
-    attention_backend: str = "auto"          # "auto" | "reference" | "tpu" | "gpu"
+    attention_backend: str = "auto"          # "auto" | "reference" | "tiled" | "cpu" | "tpu" | "gpu"
     token_buckets: tuple[int, ...] | None = None   # None: the geometric ladder (buckets.py)
     seq_buckets: tuple[int, ...] | None = None     # None: the geometric ladder (buckets.py)
     compilation_cache_dir: str | None = None  # None: the user's cache dir; "": no persistent cache

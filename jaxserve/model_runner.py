@@ -146,8 +146,10 @@ class ModelRunner:
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> [rows, W] int32 all-ones bitmask
         # every program by bucket (the target's, and a draft's or EAGLE head's), loaded from the
         # compilation cache dir without tracing
+        # the attention's name: "auto" resolves per machine (a native CPU kernel that built, or not)
         self.programs = ProgramTable(cache_directory(), fingerprint(model_cfg, engine_cfg, self.dtype, rules,
-                                                                    mesh.shape, mesh.devices.tolist()),
+                                                                    mesh.shape, mesh.devices.tolist(),
+                                                                    getattr(self._attention, "__name__", "")),
                                      list(mesh.devices.flat))
         self.draft = (DraftRunner(*draft, engine_cfg, mesh, self.dtype, self._put, self.programs)
                       if draft is not None and eagle is None else None)

@@ -90,7 +90,8 @@ def _entry(path: Path) -> tuple[str, int, int] | None:
 
 
 def _source_digest() -> bytes:
-    """sha256 over every .py file of the packages that build the programs (a code change is a new key)."""
+    """sha256 over every source file (.py, and the native kernels' .cc) of the packages that build the
+    programs (a code change is a new key)."""
     import importlib.util
 
     h = hashlib.sha256()
@@ -99,7 +100,7 @@ def _source_digest() -> bytes:
         if found is None or not found.submodule_search_locations:
             continue
         root = Path(next(iter(found.submodule_search_locations)))
-        for path in sorted(root.rglob("*.py")):
+        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc")):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.digest()

@@ -1,4 +1,5 @@
-"""Pallas kernels for jaxserve: ragged paged attention on TPU (Mosaic), GPU (Triton) and a jnp reference.
+"""Kernels for jaxserve: ragged paged attention on TPU (Mosaic), GPU (Triton), CPU (tiled jnp with a
+native decode kernel through jax.ffi) and a jnp reference.
 
 `ragged_paged_attention(...)` picks the backend from `jax.default_backend()`;
 `get_attention_backend(name)` returns one explicitly. All backends share the signature pinned in
@@ -10,6 +11,8 @@ from typing import Callable
 
 import jax
 
+from kernels_pallas import cpu_decode_attention
+from kernels_pallas.cpu_decode_attention import ragged_paged_attention_cpu
 from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu, supports as gpu_supports
 from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention_tiled import ragged_paged_attention_tiled
@@ -17,7 +20,7 @@ from kernels_pallas.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 
 AttentionFn = Callable[..., jax.Array]
 
-BACKENDS = ("reference", "tiled", "tpu", "gpu", "auto")
+BACKENDS = ("reference", "tiled", "cpu", "tpu", "gpu", "auto")
 # Plain-jnp backends: XLA partitions them under jit sharding (no shard_map needed).
 JNP_BACKENDS = (ragged_paged_attention_reference, ragged_paged_attention_tiled)
 
@@ -30,11 +33,16 @@ def _gpu_or_reference(q, k_pages, *args, **kwargs) -> jax.Array:
 
 
 def get_attention_backend(name: str) -> AttentionFn:
-    """"reference" | "tiled" | "tpu" | "gpu" | "auto" (by jax.default_backend() at call time)."""
+    """"reference" | "tiled" | "cpu" | "tpu" | "gpu" | "auto" (by jax.default_backend() at call time)."""
     if name == "reference":
         return ragged_paged_attention_reference
     if name == "tiled":
         return ragged_paged_attention_tiled
+    if name == "cpu":
+        if not cpu_decode_attention.available():
+            raise ValueError("attention backend 'cpu' needs its native decode kernel, which did not build here "
+                             "(a C++ compiler on PATH, or $CXX; the log says why); 'tiled' runs without it")
+        return ragged_paged_attention_cpu
     if name == "tpu":
         return ragged_paged_attention_tpu
     if name == "gpu":
@@ -46,13 +54,16 @@ def get_attention_backend(name: str) -> AttentionFn:
 
 def attention_for_platform(platform: str) -> AttentionFn:
     """The attention a platform serves with: "tpu" -> Mosaic kernel, "gpu"/"cuda"/"rocm" -> Triton
-    kernel (reference where it does not take the shape), anything else -> the tiled jnp path.
+    kernel (reference where it does not take the shape), "cpu" -> the tiled path with the native
+    decode kernel (the tiled jnp path alone where it did not build), anything else -> the tiled path.
     Chosen from the devices' platform, not the process's default backend, so a program lowered
     for a compile-only TPU or GPU from a CPU process gets the kernel that target would run."""
     if platform == "tpu":
         return ragged_paged_attention_tpu
     if platform in ("gpu", "cuda", "rocm"):
         return _gpu_or_reference
+    if platform == "cpu" and cpu_decode_attention.available():
+        return ragged_paged_attention_cpu
     return ragged_paged_attention_tiled
 
 
@@ -85,6 +96,7 @@ __all__ = [
     "attention_for_platform",
     "get_attention_backend",
     "ragged_paged_attention",
+    "ragged_paged_attention_cpu",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_tiled",

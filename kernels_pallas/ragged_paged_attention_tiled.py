@@ -24,6 +24,7 @@ rows outside a sequence (and padding rows) keep zeros and stale or NaN slots nev
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -87,12 +88,13 @@ def _scores(q, k, einsum_qk: str, sm_scale: float, soft_cap: float | None, mask)
     return jnp.where(mask, s, MASK_VALUE)
 
 
-def _decode_rows(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, is_decode, *, sm_scale,
-                 sliding_window, soft_cap) -> jax.Array:
-    """Attention of every decode sequence's single row, in blocks of rows sorted by context: [S, H,
-    D] float32 (row s is sequence s's output; sequences that are not decodes get zeros)."""
-    T, H, D = qf.shape
-    S, MP = page_tables.shape
+def jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, *, sm_scale, sliding_window,
+                 soft_cap) -> jax.Array:
+    """Attention of every decode sequence's single row (q_rows [S, H, D] float32, ctx [S]: its
+    context, 0 for sequences that are not decodes), in blocks of rows sorted by context: [S, H, D]
+    float32 (row s is sequence s's output; sequences that are not decodes get zeros)."""
+    S, H, D = q_rows.shape
+    MP = page_tables.shape[1]
     num_pages, ps, KVH, _ = k_pages.shape
     G = H // KVH
     R = min(_DECODE_BLOCK_ROWS, S)
@@ -100,8 +102,7 @@ def _decode_rows(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, 
     cp = _decode_chunk_pages(R, ps, KVH, D, MP)
     chunk = cp * ps
     tables, num_chunks_static = _chunked_tables(page_tables, cp)
-    ctx = jnp.where(is_decode, seq_lens, 0)                                      # [S]
-    q_rows = qf[jnp.clip(cu_q_lens[:-1], 0, T - 1)].reshape(S, KVH, G, D)
+    q_rows = q_rows.reshape(S, KVH, G, D)
     # Longest first, so a block's first row bounds its loop; the padding rows of the last block
     # point at row 0 with context 0 (they compute zeros and are never read back).
     order = jnp.pad(jnp.argsort(-ctx).astype(jnp.int32), (0, num_blocks * R - S))
@@ -195,25 +196,10 @@ def _chunk_tiles(q_padded, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_
     return lax.fori_loop(0, tile_end[-1], tile, out)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q"))
-def ragged_paged_attention_tiled(
-    q: jax.Array,  # [T, H, D]
-    k_pages: jax.Array,  # [P, ps, KVH, D]
-    v_pages: jax.Array,  # [P, ps, KVH, D]
-    seq_lens: jax.Array,  # [S] int32
-    cu_q_lens: jax.Array,  # [S + 1] int32
-    page_tables: jax.Array,  # [S, MP] int32
-    num_seqs: jax.Array,  # [1] int32
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    block_q: int | None = None,
-    k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 when the pages are quantized (kv_quant.py)
-    v_scales: jax.Array | None = None,
-) -> jax.Array:  # [T, H, D], q.dtype
-    """Same contract and numbers as the reference (docs/CONTRACTS.md); block_q = rows of every prefill
-    tile (default: 256-, 128- and 64-row tiles, each sequence in the shortest that holds it)."""
+def tiled_attention(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *, sm_scale, sliding_window,
+                    soft_cap, block_q, k_scales, v_scales, decode_rows: Callable[..., jax.Array]) -> jax.Array:
+    """The tiled path's body, with the decode rows' attention from `decode_rows` (jnp_decode_rows'
+    signature): ragged_paged_attention_tiled and the CPU backend with a native decode kernel."""
     check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
@@ -238,6 +224,32 @@ def ragged_paged_attention_tiled(
         out = _chunk_tiles(q_padded, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, q_len, which,
                            out, bq=bq, **kw)
     out = out[:T]
-    decoded = _decode_rows(qf, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, is_decode, **kw)
+    q_rows = qf[jnp.clip(cu_q_lens[:-1], 0, T - 1)]                              # [S, H, D]
+    ctx = jnp.where(is_decode, seq_lens, 0)                                      # [S]
+    decoded = decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw)
     out = out.at[jnp.where(is_decode, cu_q_lens[:-1], T)].set(decoded, mode="drop")  # others -> dropped
     return out.astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q"))
+def ragged_paged_attention_tiled(
+    q: jax.Array,  # [T, H, D]
+    k_pages: jax.Array,  # [P, ps, KVH, D]
+    v_pages: jax.Array,  # [P, ps, KVH, D]
+    seq_lens: jax.Array,  # [S] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    page_tables: jax.Array,  # [S, MP] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 when the pages are quantized (kv_quant.py)
+    v_scales: jax.Array | None = None,
+) -> jax.Array:  # [T, H, D], q.dtype
+    """Same contract and numbers as the reference (docs/CONTRACTS.md); block_q = rows of every prefill
+    tile (default: 256-, 128- and 64-row tiles, each sequence in the shortest that holds it)."""
+    return tiled_attention(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, sm_scale=sm_scale,
+                           sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q, k_scales=k_scales,
+                           v_scales=v_scales, decode_rows=jnp_decode_rows)

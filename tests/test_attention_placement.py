@@ -72,3 +72,29 @@ def test_reference_stays_unwrapped_and_replicated_kv_heads_take_the_jnp_path(cap
     assert make_attention("gpu", CFG, make_mesh(1, 8), interpret=True) is ragged_paged_attention_tiled
     assert "4 KV heads do not split over the 8-way model axis" in caplog.text
     assert make_attention("gpu", CFG, make_mesh(1, 1), interpret=True).func is ragged_paged_attention_gpu
+
+
+def test_auto_on_cpu_devices_shard_maps_the_native_decode_kernel_over_kv_heads():
+    """On a CPU mesh "auto" is the tiled path with the native decode kernel, which XLA cannot
+    partition: under a 4-way model axis it runs per device on its own heads, and a step with
+    decodes and a chunk equals the reference on the whole arrays."""
+    from kernels_pallas import ragged_paged_attention_cpu
+
+    mesh = make_mesh(1, 4)
+    fn = make_attention("auto", CFG, mesh)
+    assert fn.__name__ == "shard_map_ragged_paged_attention_cpu"
+    assert make_attention("auto", CFG, make_mesh(1, 1)) is ragged_paged_attention_cpu
+    q, k, v, _, _, _, _ = _inputs(np.random.default_rng(2))
+    seq_lens = np.array([9, 5, 6], np.int32)         # a 4-token chunk, then two decodes
+    cu = np.array([0, 4, 5, 6], np.int32)
+    tables = np.array([[3, 7, 1, 0], [10, 2, 0, 0], [4, 8, 0, 0]], np.int32)
+    n = np.array([3], np.int32)
+    heads = NamedSharding(mesh, P(None, "model", None))
+    pages = NamedSharding(mesh, P(None, None, "model", None))
+    step = jax.jit(lambda *a: fn(*a, sm_scale=0.25))
+    assert "jaxserve_cpu_decode_attention" in step.lower(jax.device_put(q, heads), jax.device_put(k, pages),
+                                                        jax.device_put(v, pages), seq_lens, cu, tables, n).as_text()
+    out = step(jax.device_put(q, heads), jax.device_put(k, pages), jax.device_put(v, pages), seq_lens, cu, tables, n)
+    ref = ragged_paged_attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), seq_lens, cu, tables,
+                                           n, sm_scale=0.25)
+    np.testing.assert_allclose(np.asarray(out)[:6], np.asarray(ref)[:6], rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ import kernels_pallas
 from kernels_pallas import (
     get_attention_backend,
     ragged_paged_attention,
+    ragged_paged_attention_cpu,
     ragged_paged_attention_gpu,
     ragged_paged_attention_reference,
     ragged_paged_attention_tiled,
@@ -26,15 +27,19 @@ def _case():
                      **SMALL)
 
 
-def test_auto_on_cpu_is_the_tiled_jnp_path():
+def test_auto_on_cpu_is_the_cpu_backend():
+    """On CPU the default is the tiled path with the native decode kernel (it builds wherever a C++
+    compiler is, CI included): the same numbers as the reference and as the jnp-only tiled path."""
     assert jax.default_backend() == "cpu"
     case = _case()
     args = case.args()
     got = ragged_paged_attention(*args, sm_scale=case.sm_scale)
     np.testing.assert_array_equal(np.asarray(got),
-                                  np.asarray(ragged_paged_attention_tiled(*args, sm_scale=case.sm_scale)))
+                                  np.asarray(ragged_paged_attention_cpu(*args, sm_scale=case.sm_scale)))
     want = ragged_paged_attention_reference(*args, sm_scale=case.sm_scale)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    tiled = ragged_paged_attention_tiled(*args, sm_scale=case.sm_scale)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(tiled), rtol=1e-5, atol=1e-6)
     assert get_attention_backend("auto") is ragged_paged_attention
 
 
@@ -43,7 +48,8 @@ def test_get_attention_backend_names():
     assert get_attention_backend("tpu") is ragged_paged_attention_tpu
     assert get_attention_backend("gpu") is ragged_paged_attention_gpu
     assert get_attention_backend("tiled") is ragged_paged_attention_tiled
-    assert kernels_pallas.BACKENDS == ("reference", "tiled", "tpu", "gpu", "auto")
+    assert get_attention_backend("cpu") is ragged_paged_attention_cpu
+    assert kernels_pallas.BACKENDS == ("reference", "tiled", "cpu", "tpu", "gpu", "auto")
     with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
         get_attention_backend("cuda")
 

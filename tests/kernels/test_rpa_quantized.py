@@ -18,6 +18,7 @@ PAGE_DTYPES = [jnp.int8, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
 BACKENDS = {
     "reference": ragged_paged_attention_reference,
     "tiled": get_attention_backend("tiled"),
+    "cpu": get_attention_backend("cpu"),  # the native decode kernel reads int8 pages; float8 takes the jnp decode
     # interpreters; two pages per kv block so the TPU kernel builds multi-page scale rows
     "tpu_interpret": lambda *a, **kw: ragged_paged_attention_tpu(*a, interpret=True, block_q=4, pages_per_block=2, **kw),
     "gpu_interpret": lambda *a, **kw: ragged_paged_attention_gpu(*a, interpret=True, block_q=4, block_kv=8, **kw),
@@ -56,7 +57,7 @@ def test_backend_on_quantized_pages_matches_reference_on_dequantized(backend, pa
     assert np.all(np.asarray(out)[live:] == 0.0)
 
 
-@pytest.mark.parametrize("backend", ["tiled", "tpu_interpret"])
+@pytest.mark.parametrize("backend", ["tiled", "cpu", "tpu_interpret"])
 def test_bf16_queries_over_int8_pages_sliding_window(backend):
     rng = fresh_rng()
     case = make_case(rng, MIXED, num_q_heads=8, max_seqs=6, **SMALL)

@@ -1,0 +1,147 @@
+"""Decode attention on the CPU as a native kernel (cpu_decode_attention.cc), called through jax.ffi.
+
+The jnp decode path (ragged_paged_attention_tiled.jnp_decode_rows) is bounded by XLA:CPU's gather:
+every page is copied into a gathered buffer before the dots read it, at ~10 GB/s where a plain
+read runs at ~30 (docs/BENCHMARKS.md). The native kernel reads each sequence's pages in place.
+
+The library is compiled from the source shipped in this package by the host's C++ compiler the
+first time a process asks for it (-O3 -march=native: the machine it runs on), into
+$XDG_CACHE_HOME/jaxserve/native/ under a name derived from the source, the compiler command and
+the jaxlib version, so a second process loads it in milliseconds. With no compiler, or when
+JAXSERVE_NATIVE_CPU_ATTENTION=0, `available()` is False and the tiled jnp path serves (same numbers).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.kv_quant import is_quantized
+from kernels_pallas.ragged_paged_attention_tiled import jnp_decode_rows, tiled_attention
+
+logger = logging.getLogger("jaxserve.attention")
+
+TARGET = "jaxserve_cpu_decode_attention"
+_SOURCE = Path(__file__).with_suffix(".cc")
+_SYMBOL = "JaxserveCpuDecodeAttention"
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
+# page dtypes the kernel reads (int8 with its scales); float8 pages take the jnp path
+_PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve" / "native"
+
+
+def _compiler() -> list[str] | None:
+    cxx = os.environ.get("CXX") or "c++"
+    command = shlex.split(cxx)
+    return command if command and shutil.which(command[0]) else None
+
+
+def build(compiler: list[str], directory: Path) -> Path:
+    """The library compiled from the shipped source (once per source / compiler / jaxlib: the name
+    says which); built into a temporary file and renamed, so concurrent builds never see half a file."""
+    import jaxlib
+
+    include = jax.ffi.include_dir()
+    command = [*compiler, *_FLAGS, f"-I{include}"]
+    key = hashlib.sha256(_SOURCE.read_bytes() + repr((command, jaxlib.__version__)).encode()).hexdigest()[:24]
+    path = directory / f"cpu_decode_attention-{key}.so"
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        done = subprocess.run([*command, str(_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()[-5:]
+            raise RuntimeError(f"{shlex.join(command)} failed:\n" + "\n".join(errors[:10]))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the native kernel is built, loaded and registered with XLA for the CPU (once per
+    process; a failure is logged once and the jnp path serves)."""
+    if os.environ.get("JAXSERVE_NATIVE_CPU_ATTENTION", "1") == "0":
+        return False
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C++ compiler (c++ or $CXX) on PATH: CPU decode attention runs the slower jnp path")
+        return False
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build(compiler, _cache_dir())))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, _SYMBOL)), platform="cpu")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.warning("the native CPU decode attention did not build or load (%s): the jnp path serves", e)
+        return False
+    return True
+
+
+def supports(k_pages: jax.Array) -> bool:
+    return jnp.dtype(k_pages.dtype) in _PAGE_DTYPES
+
+
+def decode_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array | None,
+                v_scales: jax.Array | None, ctx: jax.Array, page_tables: jax.Array, *, sm_scale: float,
+                sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+    """Every decode row's attention: q_rows [S, H, D] float32, ctx [S] int32 (0 for rows that are not
+    decodes: they get zeros), page_tables [S, MP] -> [S, H, D] float32."""
+    if is_quantized(k_pages.dtype) and k_scales is None:
+        raise ValueError("quantized pages need their scales")
+    if not available():  # builds and registers the kernel on first use
+        raise RuntimeError("the native CPU decode attention is not available here (the log says why)")
+    none = jnp.zeros((1,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_rows.shape, jnp.float32))
+    return call(q_rows, k_pages, v_pages, none if k_scales is None else k_scales,
+                none if v_scales is None else v_scales, ctx.astype(jnp.int32), page_tables.astype(jnp.int32),
+                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
+                sliding_window=np.int32(sliding_window or 0))
+
+
+def _decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw) -> jax.Array:
+    if supports(k_pages):
+        return decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw)
+    return jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q"))
+def ragged_paged_attention_cpu(
+    q: jax.Array,  # [T, H, D]
+    k_pages: jax.Array,  # [P, ps, KVH, D]
+    v_pages: jax.Array,  # [P, ps, KVH, D]
+    seq_lens: jax.Array,  # [S] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    page_tables: jax.Array,  # [S, MP] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 when the pages are quantized (kv_quant.py)
+    v_scales: jax.Array | None = None,
+) -> jax.Array:  # [T, H, D], q.dtype
+    """The tiled path with its decode rows from the native kernel (float32, bfloat16 and int8 pages;
+    float8 pages keep the jnp decode). Needs `available()`; runs on CPU devices only, and is opaque
+    to XLA's partitioner (kernels_pallas.attention places it with shard_map like the other kernels)."""
+    return tiled_attention(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, sm_scale=sm_scale,
+                           sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q, k_scales=k_scales,
+                           v_scales=v_scales, decode_rows=_decode_rows)

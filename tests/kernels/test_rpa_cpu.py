@@ -1,0 +1,103 @@
+"""The CPU backend (tiled prefill, native decode kernel through jax.ffi) == the reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rpa_cases import assert_close, fresh_rng, fresh_seed, make_case, scramble_padding
+
+from kernels_pallas import attention_for_platform, cpu_decode_attention, get_attention_backend
+from kernels_pallas.cpu_decode_attention import ragged_paged_attention_cpu
+from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
+from kernels_pallas.ragged_paged_attention_tiled import ragged_paged_attention_tiled
+
+MIXED = [(1, 7), (1, 8), (5, 12), (6, 6), (3, 10)]
+SMALL = dict(num_kv_heads=2, head_dim=16, page_size=4)
+
+
+def _check(case, *, dtype=jnp.float32, rtol=1e-5, **kw):
+    args = case.args(dtype)
+    out = ragged_paged_attention_cpu(*args, sm_scale=case.sm_scale, **kw)
+    ref = ragged_paged_attention_reference(*args, sm_scale=case.sm_scale, **kw)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    out = np.asarray(out.astype(jnp.float32))
+    live = case.num_live_rows
+    assert np.all(np.isfinite(out))
+    assert_close(out[:live], np.asarray(ref.astype(jnp.float32))[:live], rtol=rtol)
+    assert np.all(out[live:] == 0.0)
+    return out
+
+
+def test_the_native_kernel_builds_here_and_serves_the_cpu_platform():
+    # CI and every supported install have a C++ compiler: the kernel must build, not fall back
+    assert cpu_decode_attention.available()
+    assert attention_for_platform("cpu") is ragged_paged_attention_cpu
+    assert get_attention_backend("cpu") is ragged_paged_attention_cpu
+    step = jax.jit(lambda *a: ragged_paged_attention_cpu(*a, sm_scale=0.25))
+    case = make_case(fresh_rng(), MIXED, num_q_heads=4, **SMALL)
+    assert cpu_decode_attention.TARGET in step.lower(*case.args()).as_text()
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_mixed_decodes_and_chunks_match_the_reference(group):
+    case = make_case(fresh_rng(), MIXED, num_q_heads=2 * group, max_seqs=len(MIXED) + 2, extra_rows=3, **SMALL)
+    scramble_padding(case)
+    _check(case)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_many_ragged_decodes_with_nan_in_dead_slots(window):
+    """150 decodes of 1-300 tokens around two prefill chunks, NaN in every slot that holds no live
+    token: the kernel reads only each row's own context (and window), so no NaN reaches a row."""
+    rng = fresh_rng()
+    seqs = [(1, int(n)) for n in rng.integers(1, 301, 150)]
+    seqs.insert(70, (9, 30))
+    seqs.insert(20, (140, 250))
+    case = make_case(rng, seqs, num_q_heads=4, max_seqs=len(seqs) + 5, extra_rows=2, poison=True, **SMALL)
+    _check(case, sliding_window=window)
+
+
+def test_window_soft_cap_and_bf16_pages():
+    case = make_case(fresh_rng(), [(1, 23), (1, 9), (4, 14), (1, 1)], num_q_heads=8, max_seqs=6, **SMALL)
+    case.q *= 4.0
+    _check(case, sliding_window=6, soft_cap=2.0)
+    _check(case, dtype=jnp.bfloat16, rtol=1e-2, soft_cap=2.0)
+
+
+def test_same_numbers_as_the_tiled_jnp_path_at_model_shapes():
+    """bench-105m's attention shape (8 q heads over 4 KV heads of 64, 16-token pages): decodes of
+    up to 700 tokens agree with the jnp decode to float32 rounding."""
+    seed = fresh_seed()
+    case = make_case(np.random.default_rng(seed), [(1, int(n)) for n in np.random.default_rng(seed).integers(1, 700, 40)],
+                     num_q_heads=8, num_kv_heads=4, head_dim=64, page_size=16)
+    args = case.args()
+    got = np.asarray(ragged_paged_attention_cpu(*args, sm_scale=case.sm_scale))
+    want = np.asarray(ragged_paged_attention_tiled(*args, sm_scale=case.sm_scale))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_without_a_compiler_the_cpu_platform_runs_the_tiled_path(monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(cpu_decode_attention, "_cache_dir", lambda: cpu_decode_attention.Path("/nonexistent"))
+    cpu_decode_attention.available.cache_clear()
+    try:
+        assert not cpu_decode_attention.available()
+        assert attention_for_platform("cpu") is ragged_paged_attention_tiled
+        with pytest.raises(ValueError, match="'cpu' needs its native decode kernel"):
+            get_attention_backend("cpu")
+        assert "no C++ compiler" in caplog.text
+    finally:
+        cpu_decode_attention.available.cache_clear()
+    monkeypatch.undo()
+    assert cpu_decode_attention.available()
+
+
+def test_a_compile_error_is_reported_not_raised(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_decode_attention, "_FLAGS", [*cpu_decode_attention._FLAGS, "-include/nonexistent/broken.h"])
+    monkeypatch.setattr(cpu_decode_attention, "_cache_dir", lambda: tmp_path)
+    cpu_decode_attention.available.cache_clear()
+    try:
+        assert not cpu_decode_attention.available()
+        assert "did not build or load" in caplog.text
+        assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+    finally:
+        cpu_decode_attention.available.cache_clear()
