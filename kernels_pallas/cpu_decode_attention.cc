@@ -54,7 +54,7 @@ template <typename T>
 void attend(const Problem& p, int64_t s, std::vector<float>& scratch) {
   const int64_t H = p.H, D = p.D, ps = p.ps, KVH = p.KVH, G = H / KVH;
   float* out = p.out + s * H * D;
-  const int64_t n = p.ctx[s];
+  const int64_t n = std::min<int64_t>(p.ctx[s], p.MP * p.ps);  // a table holds no more
   if (n <= 0) {
     std::fill(out, out + H * D, 0.0f);
     return;

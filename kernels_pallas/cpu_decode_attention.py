@@ -6,9 +6,11 @@ read runs at ~30 (docs/BENCHMARKS.md). The native kernel reads each sequence's p
 
 The library is compiled from the source shipped in this package by the host's C++ compiler the
 first time a process asks for it (-O3 -march=native: the machine it runs on), into
-$XDG_CACHE_HOME/jaxserve/native/ under a name derived from the source, the compiler command and
-the jaxlib version, so a second process loads it in milliseconds. With no compiler, or when
-JAXSERVE_NATIVE_CPU_ATTENTION=0, `available()` is False and the tiled jnp path serves (same numbers).
+$XDG_CACHE_HOME/jaxserve/native/ under a name derived from the source, the compiler command, the
+jaxlib version and the CPU's instruction sets (a home directory shared by different machines gets
+one library per CPU kind), so a second process loads it in milliseconds. With no compiler
+`available()` is False and the tiled jnp path serves (same numbers; `--attention-backend tiled`
+chooses it anyway).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -50,6 +53,15 @@ def _compiler() -> list[str] | None:
     return command if command and shutil.which(command[0]) else None
 
 
+def _cpu_kind() -> str:
+    """The machine and its instruction-set flags: what -march=native compiles for."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {flags}"
+
+
 def build(compiler: list[str], directory: Path) -> Path:
     """The library compiled from the shipped source (once per source / compiler / jaxlib: the name
     says which); built into a temporary file and renamed, so concurrent builds never see half a file."""
@@ -57,7 +69,8 @@ def build(compiler: list[str], directory: Path) -> Path:
 
     include = jax.ffi.include_dir()
     command = [*compiler, *_FLAGS, f"-I{include}"]
-    key = hashlib.sha256(_SOURCE.read_bytes() + repr((command, jaxlib.__version__)).encode()).hexdigest()[:24]
+    key = hashlib.sha256(_SOURCE.read_bytes() + repr((command, jaxlib.__version__, _cpu_kind())).encode())
+    key = key.hexdigest()[:24]
     path = directory / f"cpu_decode_attention-{key}.so"
     if path.exists():
         return path
@@ -80,8 +93,6 @@ def build(compiler: list[str], directory: Path) -> Path:
 def available() -> bool:
     """Whether the native kernel is built, loaded and registered with XLA for the CPU (once per
     process; a failure is logged once and the jnp path serves)."""
-    if os.environ.get("JAXSERVE_NATIVE_CPU_ATTENTION", "1") == "0":
-        return False
     compiler = _compiler()
     if compiler is None:
         logger.warning("no C++ compiler (c++ or $CXX) on PATH: CPU decode attention runs the slower jnp path")
@@ -116,7 +127,7 @@ def decode_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_sca
                 sliding_window=np.int32(sliding_window or 0))
 
 
-def _decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw) -> jax.Array:
+def _native_or_jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw) -> jax.Array:
     if supports(k_pages):
         return decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw)
     return jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw)
@@ -144,4 +155,4 @@ def ragged_paged_attention_cpu(
     to XLA's partitioner (kernels_pallas.attention places it with shard_map like the other kernels)."""
     return tiled_attention(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, sm_scale=sm_scale,
                            sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q, k_scales=k_scales,
-                           v_scales=v_scales, decode_rows=_decode_rows)
+                           v_scales=v_scales, decode_rows=_native_or_jnp_decode_rows)

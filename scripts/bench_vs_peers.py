@@ -434,6 +434,8 @@ class ServerSystem:
             self._signal(signal.SIGSTOP)
         if report["completed"] == 0:
             raise RuntimeError(f"every request failed: {report['errors']}")
+        if report["failed"]:  # counted in the table; the reasons go to the log
+            print(f"{report['failed']} of {report['num_requests']} requests failed: {report['errors']}", flush=True)
         if self.exact_lengths and (problem := length_problems(report)):
             raise RuntimeError(problem)
         return outcome_from_report(report, self.bound)

@@ -37,3 +37,11 @@ def test_default_cases_have_valid_lengths():
     for case in cases:
         assert len(case.q_lens) == len(case.ctx_lens)
         assert all(1 <= q <= c <= 4096 for q, c in zip(case.q_lens, case.ctx_lens))
+
+
+def test_cpu_kernel_against_the_tiled_baseline_runs_and_matches(capsys):
+    argv = ["--quick", "--backend", "cpu", "--baseline", "tiled", "--dtypes", "float32", "--iters", "1",
+            "--repeats", "2", "--copy-mib", "1"]
+    assert kernel_bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "kernel: cpu vs tiled" in out and "all kernel outputs match the tiled" in out
