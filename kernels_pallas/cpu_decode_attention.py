@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.kv_quant import is_quantized
-from kernels_pallas.ragged_paged_attention_tiled import jnp_decode_rows, tiled_attention
+from kernels_pallas.ragged_paged_attention_tiled import jnp_decode_rows, tiled_backend
 
 logger = logging.getLogger("jaxserve.attention")
 
@@ -133,26 +133,8 @@ def _native_or_jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx
     return jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q"))
-def ragged_paged_attention_cpu(
-    q: jax.Array,  # [T, H, D]
-    k_pages: jax.Array,  # [P, ps, KVH, D]
-    v_pages: jax.Array,  # [P, ps, KVH, D]
-    seq_lens: jax.Array,  # [S] int32
-    cu_q_lens: jax.Array,  # [S + 1] int32
-    page_tables: jax.Array,  # [S, MP] int32
-    num_seqs: jax.Array,  # [1] int32
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    block_q: int | None = None,
-    k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 when the pages are quantized (kv_quant.py)
-    v_scales: jax.Array | None = None,
-) -> jax.Array:  # [T, H, D], q.dtype
+ragged_paged_attention_cpu = tiled_backend(
+    _native_or_jnp_decode_rows, "ragged_paged_attention_cpu",
     """The tiled path with its decode rows from the native kernel (float32, bfloat16 and int8 pages;
-    float8 pages keep the jnp decode). Needs `available()`; runs on CPU devices only, and is opaque
-    to XLA's partitioner (kernels_pallas.attention places it with shard_map like the other kernels)."""
-    return tiled_attention(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, sm_scale=sm_scale,
-                           sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q, k_scales=k_scales,
-                           v_scales=v_scales, decode_rows=_native_or_jnp_decode_rows)
+    float8 pages keep the jnp decode). Needs `available()`; runs on CPU devices only, and is opaque to
+    XLA's partitioner (jaxserve.model.attention places it with shard_map like the other kernels).""")

@@ -1,4 +1,5 @@
-"""Tiled ragged paged attention in plain jnp: the CPU production path.
+"""Tiled ragged paged attention in plain jnp: the CPU path (in production its decode rows run the
+native kernel of cpu_decode_attention.py instead of jnp_decode_rows, wherever that kernel builds).
 
 The reference (ragged_paged_attention_reference.py) gathers the KV context once per query row,
 which is right for decode but repeats the same gather q_len times for a prefill chunk. Here the
@@ -89,7 +90,7 @@ def _scores(q, k, einsum_qk: str, sm_scale: float, soft_cap: float | None, mask)
 
 
 def jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, *, sm_scale, sliding_window,
-                 soft_cap) -> jax.Array:
+                    soft_cap) -> jax.Array:
     """Attention of every decode sequence's single row (q_rows [S, H, D] float32, ctx [S]: its
     context, 0 for sequences that are not decodes), in blocks of rows sorted by context: [S, H, D]
     float32 (row s is sequence s's output; sequences that are not decodes get zeros)."""
@@ -196,60 +197,63 @@ def _chunk_tiles(q_padded, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_
     return lax.fori_loop(0, tile_end[-1], tile, out)
 
 
-def tiled_attention(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *, sm_scale, sliding_window,
-                    soft_cap, block_q, k_scales, v_scales, decode_rows: Callable[..., jax.Array]) -> jax.Array:
-    """The tiled path's body, with the decode rows' attention from `decode_rows` (jnp_decode_rows'
-    signature): ragged_paged_attention_tiled and the CPU backend with a native decode kernel."""
-    check_attention_args(
-        q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scales=k_scales, v_scales=v_scales,
-    )
-    T, H, D = q.shape
-    S = page_tables.shape[0]
-    live = jnp.arange(S, dtype=jnp.int32) < num_seqs[0]
-    q_len = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)                  # [S]
-    is_decode = q_len == 1
-    # Tile heights, tallest first; a sequence of q_len rows goes to the shortest height >= q_len
-    # (the tallest takes every longer one), so a tile is at most half padding.
-    heights = [block_q] if block_q else sorted({max(1, default_block_q(T) >> i) for i in range(_TILE_HEIGHTS)},
-                                               reverse=True)
-    qf = q.astype(jnp.float32)
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    q_padded = jnp.pad(qf, ((0, heights[0]), (0, 0), (0, 0)))
-    out = jnp.zeros((T + heights[0], H, D), jnp.float32)
-    for i, bq in enumerate(heights):
-        lo = heights[i + 1] if i + 1 < len(heights) else 1  # shorter sequences go to the next height
-        which = (q_len > lo) if i == 0 else (q_len > lo) & (q_len <= bq)
-        out = _chunk_tiles(q_padded, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, q_len, which,
-                           out, bq=bq, **kw)
-    out = out[:T]
-    q_rows = qf[jnp.clip(cu_q_lens[:-1], 0, T - 1)]                              # [S, H, D]
-    ctx = jnp.where(is_decode, seq_lens, 0)                                      # [S]
-    decoded = decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw)
-    out = out.at[jnp.where(is_decode, cu_q_lens[:-1], T)].set(decoded, mode="drop")  # others -> dropped
-    return out.astype(q.dtype)
+def tiled_backend(decode_rows: Callable[..., jax.Array], name: str, doc: str) -> Callable[..., jax.Array]:
+    """A jitted attention function with every backend's signature (docs/CONTRACTS.md) that runs the
+    tiled path with its decode rows' attention from `decode_rows` (jnp_decode_rows' signature):
+    ragged_paged_attention_tiled, and the CPU backend with the native decode kernel."""
+
+    def attention(
+        q: jax.Array,  # [T, H, D]
+        k_pages: jax.Array,  # [P, ps, KVH, D]
+        v_pages: jax.Array,  # [P, ps, KVH, D]
+        seq_lens: jax.Array,  # [S] int32
+        cu_q_lens: jax.Array,  # [S + 1] int32
+        page_tables: jax.Array,  # [S, MP] int32
+        num_seqs: jax.Array,  # [1] int32
+        *,
+        sm_scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+        block_q: int | None = None,
+        k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 when the pages are quantized (kv_quant.py)
+        v_scales: jax.Array | None = None,
+    ) -> jax.Array:  # [T, H, D], q.dtype
+        check_attention_args(
+            q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            k_scales=k_scales, v_scales=v_scales,
+        )
+        T, H, D = q.shape
+        S = page_tables.shape[0]
+        live = jnp.arange(S, dtype=jnp.int32) < num_seqs[0]
+        q_len = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)                  # [S]
+        is_decode = q_len == 1
+        # Tile heights, tallest first; a sequence of q_len rows goes to the shortest height >= q_len
+        # (the tallest takes every longer one), so a tile is at most half padding.
+        heights = [block_q] if block_q else sorted({max(1, default_block_q(T) >> i) for i in range(_TILE_HEIGHTS)},
+                                                   reverse=True)
+        qf = q.astype(jnp.float32)
+        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        q_padded = jnp.pad(qf, ((0, heights[0]), (0, 0), (0, 0)))
+        out = jnp.zeros((T + heights[0], H, D), jnp.float32)
+        for i, bq in enumerate(heights):
+            lo = heights[i + 1] if i + 1 < len(heights) else 1  # shorter sequences go to the next height
+            which = (q_len > lo) if i == 0 else (q_len > lo) & (q_len <= bq)
+            out = _chunk_tiles(q_padded, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, q_len,
+                               which, out, bq=bq, **kw)
+        out = out[:T]
+        q_rows = qf[jnp.clip(cu_q_lens[:-1], 0, T - 1)]                              # [S, H, D]
+        ctx = jnp.where(is_decode, seq_lens, 0)                                      # [S]
+        decoded = decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw)
+        out = out.at[jnp.where(is_decode, cu_q_lens[:-1], T)].set(decoded, mode="drop")  # others -> dropped
+        return out.astype(q.dtype)
+
+    attention.__name__ = attention.__qualname__ = name
+    attention.__doc__ = doc
+    return jax.jit(attention, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q"))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q"))
-def ragged_paged_attention_tiled(
-    q: jax.Array,  # [T, H, D]
-    k_pages: jax.Array,  # [P, ps, KVH, D]
-    v_pages: jax.Array,  # [P, ps, KVH, D]
-    seq_lens: jax.Array,  # [S] int32
-    cu_q_lens: jax.Array,  # [S + 1] int32
-    page_tables: jax.Array,  # [S, MP] int32
-    num_seqs: jax.Array,  # [1] int32
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    block_q: int | None = None,
-    k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 when the pages are quantized (kv_quant.py)
-    v_scales: jax.Array | None = None,
-) -> jax.Array:  # [T, H, D], q.dtype
+ragged_paged_attention_tiled = tiled_backend(
+    jnp_decode_rows, "ragged_paged_attention_tiled",
     """Same contract and numbers as the reference (docs/CONTRACTS.md); block_q = rows of every prefill
-    tile (default: 256-, 128- and 64-row tiles, each sequence in the shortest that holds it)."""
-    return tiled_attention(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, sm_scale=sm_scale,
-                           sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q, k_scales=k_scales,
-                           v_scales=v_scales, decode_rows=jnp_decode_rows)
+    tile (default: 256-, 128- and 64-row tiles, each sequence in the shortest that holds it).""")

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from rpa_cases import assert_close, fresh_rng, fresh_seed, make_case, scramble_padding
 
+from kernels_pallas.cpu_decode_attention import ragged_paged_attention_cpu
 from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention_tiled import default_block_q, ragged_paged_attention_tiled
 
@@ -12,9 +13,9 @@ PREFILL = [(37, 37), (20, 45), (9, 9)]       # long chunks: several tiles per se
 SMALL = dict(num_kv_heads=2, head_dim=16, page_size=4)
 
 
-def _check(case, *, dtype=jnp.float32, rtol=1e-5, block_q=None, **kw):
+def _check(case, *, dtype=jnp.float32, rtol=1e-5, block_q=None, fn=ragged_paged_attention_tiled, **kw):
     args = case.args(dtype)
-    out = ragged_paged_attention_tiled(*args, sm_scale=case.sm_scale, block_q=block_q, **kw)
+    out = fn(*args, sm_scale=case.sm_scale, block_q=block_q, **kw)
     ref = ragged_paged_attention_reference(*args, sm_scale=case.sm_scale, **kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out = np.asarray(out.astype(jnp.float32))
@@ -48,18 +49,20 @@ def test_tiled_ignores_nan_outside_live_slots():
     np.testing.assert_array_equal(_check(poisoned, block_q=8), _check(clean, block_q=8))
 
 
+@pytest.mark.parametrize("fn", [ragged_paged_attention_tiled, ragged_paged_attention_cpu], ids=["jnp", "native"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_many_decodes_of_ragged_contexts_in_several_blocks(window):
+def test_many_decodes_of_ragged_contexts_in_several_blocks(window, fn):
     """More decodes than one block holds (64 rows), contexts of 1 to 300 tokens (1-3 KV chunks) in
     no order, a short and a tall prefill chunk between them (301 rows: 256-row tiles for the
     140-token chunk, 128-row ones for the 9-token chunk) and NaN in every dead slot: every row
-    equals the reference (decode blocks are sorted by context, each loops to its own longest)."""
+    equals the reference (jnp decode blocks are sorted by context, each loops to its own longest;
+    the native decode reads only each row's own context and window)."""
     rng = fresh_rng()
     seqs = [(1, int(n)) for n in rng.integers(1, 301, 150)]
     seqs.insert(70, (9, 30))
     seqs.insert(20, (140, 250))
     case = make_case(rng, seqs, num_q_heads=4, max_seqs=len(seqs) + 5, extra_rows=2, poison=True, **SMALL)
-    _check(case, sliding_window=window)
+    _check(case, sliding_window=window, fn=fn)
 
 
 def test_default_block_q_is_the_largest_power_of_two_up_to_256():
