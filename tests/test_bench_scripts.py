@@ -581,7 +581,7 @@ def test_a_server_is_stopped_between_its_runs_and_shuts_down_promptly(tmp_path, 
 
     def fake_run(cfg, prompts):  # the warm-up and each recorded run
         during.append(state(system.proc))
-        return {"completed": 1}
+        return {"completed": 1, "failed": 0}
 
     monkeypatch.setattr(bvp.bs, "run_benchmark", fake_run)
     monkeypatch.setattr(bvp, "outcome_from_report", lambda report, bound=None: report)
