@@ -182,7 +182,7 @@ void attend_any(const Problem& p, int64_t s, std::vector<float>& scratch) {
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                            ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
                            ffi::Buffer<ffi::S32> ctx, ffi::Buffer<ffi::S32> tables, ffi::ResultBuffer<ffi::F32> out,
-                           float sm_scale, float soft_cap, int32_t sliding_window) {
+                           float sm_scale, float soft_cap, int32_t sliding_window, bool scaled) {
   const auto qd = q.dimensions();
   const auto kd = k_pages.dimensions();
   const auto td = tables.dimensions();
@@ -193,7 +193,6 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   if (k_pages.element_type() != v_pages.element_type() || kd[3] != qd[2] || qd[1] % kd[2] != 0) {
     return ffi::Error::InvalidArgument("cpu decode attention: K/V pages disagree with q");
   }
-  const bool scaled = k_scales.element_count() > 1;  // a [1] placeholder when the pages are not quantized
   auto work = std::make_shared<Work>();
   Problem& p = work->problem;
   p = Problem{q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(),
@@ -208,6 +207,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   }
   if (k_pages.element_type() == ffi::DataType::S8 && !scaled) {
     return ffi::Error::InvalidArgument("cpu decode attention: int8 pages need their scales");
+  }
+  const int64_t scale_count = kd[0] * kd[2] * kd[1];  // [P, KVH, ps]
+  if (scaled && (k_scales.element_count() != scale_count || v_scales.element_count() != scale_count)) {
+    return ffi::Error::InvalidArgument("cpu decode attention: scales must be [P, KVH, ps]");
   }
   const int64_t S = qd[0];
   for (int64_t s = 0; s < S; ++s) {
@@ -240,4 +243,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttention, DecodeAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [S, H, D]
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("sliding_window"));
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<bool>("scaled"));       // false: the scales are [1] placeholders

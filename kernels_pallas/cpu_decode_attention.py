@@ -124,7 +124,7 @@ def decode_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_sca
     return call(q_rows, k_pages, v_pages, none if k_scales is None else k_scales,
                 none if v_scales is None else v_scales, ctx.astype(jnp.int32), page_tables.astype(jnp.int32),
                 sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
-                sliding_window=np.int32(sliding_window or 0))
+                sliding_window=np.int32(sliding_window or 0), scaled=k_scales is not None)
 
 
 def _native_or_jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw) -> jax.Array:
