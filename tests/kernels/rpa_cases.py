@@ -163,6 +163,24 @@ def assert_close(got, want, *, rtol: float, what: str = "") -> None:
     )
 
 
+def check_against_reference(fn, case: Case, *, dtype=jnp.float32, rtol: float = 1e-5, **kw) -> np.ndarray:
+    """fn(case) equals the reference on every live row, is finite, and leaves padding rows zero; the
+    output as float32 numpy. kw go to both (window, soft cap), and block_q to fn alone."""
+    from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
+
+    args = case.args(dtype)
+    out = fn(*args, sm_scale=case.sm_scale, **kw)
+    kw.pop("block_q", None)
+    ref = ragged_paged_attention_reference(*args, sm_scale=case.sm_scale, **kw)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    out = np.asarray(out.astype(jnp.float32))
+    live = case.num_live_rows
+    assert np.all(np.isfinite(out))
+    assert_close(out[:live], np.asarray(ref.astype(jnp.float32))[:live], rtol=rtol)
+    assert np.all(out[live:] == 0.0)
+    return out
+
+
 def quantized_args(case: Case, page_dtype, dtype=jnp.float32) -> tuple[tuple, dict, tuple]:
     """(args with 8-bit pages, their scales as kwargs, args with those pages dequantized to `dtype`):
     the dequantized pages are what any backend reading the quantized ones must attend over."""

@@ -3,28 +3,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import assert_close, fresh_rng, fresh_seed, make_case, scramble_padding
+from rpa_cases import check_against_reference, fresh_rng, fresh_seed, make_case, scramble_padding
 
 from kernels_pallas import attention_for_platform, cpu_decode_attention, get_attention_backend
 from kernels_pallas.cpu_decode_attention import ragged_paged_attention_cpu
-from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention_tiled import ragged_paged_attention_tiled
 
 MIXED = [(1, 7), (1, 8), (5, 12), (6, 6), (3, 10)]
 SMALL = dict(num_kv_heads=2, head_dim=16, page_size=4)
 
 
-def _check(case, *, dtype=jnp.float32, rtol=1e-5, **kw):
-    args = case.args(dtype)
-    out = ragged_paged_attention_cpu(*args, sm_scale=case.sm_scale, **kw)
-    ref = ragged_paged_attention_reference(*args, sm_scale=case.sm_scale, **kw)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    out = np.asarray(out.astype(jnp.float32))
-    live = case.num_live_rows
-    assert np.all(np.isfinite(out))
-    assert_close(out[:live], np.asarray(ref.astype(jnp.float32))[:live], rtol=rtol)
-    assert np.all(out[live:] == 0.0)
-    return out
+def _check(case, **kw):
+    return check_against_reference(ragged_paged_attention_cpu, case, **kw)
 
 
 def test_the_native_kernel_builds_here_and_serves_the_cpu_platform():

@@ -2,10 +2,9 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import assert_close, fresh_rng, fresh_seed, make_case, scramble_padding
+from rpa_cases import check_against_reference, fresh_rng, fresh_seed, make_case, scramble_padding
 
 from kernels_pallas.cpu_decode_attention import ragged_paged_attention_cpu
-from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention_tiled import default_block_q, ragged_paged_attention_tiled
 
 MIXED = [(1, 7), (1, 8), (5, 12), (6, 6), (3, 10)]
@@ -13,17 +12,8 @@ PREFILL = [(37, 37), (20, 45), (9, 9)]       # long chunks: several tiles per se
 SMALL = dict(num_kv_heads=2, head_dim=16, page_size=4)
 
 
-def _check(case, *, dtype=jnp.float32, rtol=1e-5, block_q=None, fn=ragged_paged_attention_tiled, **kw):
-    args = case.args(dtype)
-    out = fn(*args, sm_scale=case.sm_scale, block_q=block_q, **kw)
-    ref = ragged_paged_attention_reference(*args, sm_scale=case.sm_scale, **kw)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    out = np.asarray(out.astype(jnp.float32))
-    live = case.num_live_rows
-    assert np.all(np.isfinite(out))
-    assert_close(out[:live], np.asarray(ref.astype(jnp.float32))[:live], rtol=rtol)
-    assert np.all(out[live:] == 0.0)
-    return out
+def _check(case, *, fn=ragged_paged_attention_tiled, block_q=None, **kw):
+    return check_against_reference(fn, case, block_q=block_q, **kw)
 
 
 @pytest.mark.parametrize("block_q", [None, 1, 2, 4, 16])
