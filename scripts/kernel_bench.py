@@ -23,7 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels_pallas import get_attention_backend  # noqa: E402
+from kernels_pallas import BACKENDS, get_attention_backend  # noqa: E402
 
 RTOL = {"float32": 1e-5, "bfloat16": 1e-2}
 
@@ -123,8 +123,8 @@ def compare(out, ref, rtol: float) -> tuple[bool, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--backend", default="auto", choices=["auto", "gpu", "tpu", "cpu", "tiled", "reference"])
-    p.add_argument("--baseline", default="reference", choices=["reference", "tiled", "cpu", "auto"],
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
+    p.add_argument("--baseline", default="reference", choices=BACKENDS,
                    help="what the kernel is timed and checked against (the 'ref ms' column)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timings of kernel and baseline, alternated; the medians are reported")

@@ -169,3 +169,16 @@ def test_speculative_config_flag_reaches_the_engine_config_and_bad_json_is_named
     # generate declares a decode bucket that holds the last token and k drafts
     cfg = commands.generate_engine_config(spec, prompt_len=5, max_tokens=64, model_max_len=4096)
     assert cfg.resolved_token_buckets() == (1, 5, 8)
+
+
+def test_attention_backend_choices_are_the_kernels_backends():
+    """The CLI lists the backend names itself (it must not import jax for --help); every name
+    kernels_pallas serves is accepted and nothing else is."""
+    from kernels_pallas import BACKENDS
+
+    parser = cli.build_parser()
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    flag = next(a for a in serve._actions if a.dest == "attention_backend")
+    assert set(flag.choices) == set(BACKENDS)
+    for name in BACKENDS:
+        assert parser.parse_args(["serve", "--attention-backend", name]).attention_backend == name
