@@ -58,15 +58,28 @@ def seq_buckets(cfg: Any) -> tuple[int, ...]:
     return geometric_buckets(min(MIN_SEQ_BUCKET, top), top)
 
 
+def decode_rows(cfg: Any) -> tuple[int, ...]:
+    """Row counts S of the decode shapes (S, S): every sequence bucket within the token ladder, plus
+    a factor-2 ladder from the smallest token bucket up to max_num_seqs. A step of n decodes has n
+    tokens and n lm_head rows; the 4x sequence ladder alone would run 17-32 decodes (a burst's tail)
+    through 64 vocabulary-wide lm_head rows, the step's largest cost on a small model."""
+    tokens, seqs = token_buckets(cfg), seq_buckets(cfg)
+    lo, hi = tokens[0], min(cfg.max_num_seqs, tokens[-1])
+    ladder, s = set(), lo
+    while s <= hi:
+        ladder.add(s)
+        s *= 2
+    return tuple(sorted(ladder | {s for s in seqs if lo <= s <= tokens[-1]}))
+
+
 def declared_buckets(cfg: Any) -> list[tuple[int, int]]:
     """All (T, S) forward shapes compiled at start-up, smallest first. A step of T tokens has at
-    most T sequences, so sequence buckets above T are capped at T. Every sequence bucket s within
-    the token ladder also gets a decode shape (s, s): a step of n decodes has n tokens, and without
-    it 65-128 decodes would run 256 token rows through the layers (the token ladder grows 4x, the
-    sequence ladder has half the limit)."""
+    most T sequences, so sequence buckets above T are capped at T. Each of `decode_rows` also gets
+    a decode shape (s, s): a step of n decodes has n tokens, and without it 65-128 decodes would run
+    256 token rows through the layers (the token ladder grows 4x)."""
     tokens, seqs = token_buckets(cfg), seq_buckets(cfg)
     grid = {(t, min(s, t)) for t in tokens for s in seqs}
-    return sorted(grid | {(s, s) for s in seqs if tokens[0] <= s <= tokens[-1]})
+    return sorted(grid | {(s, s) for s in decode_rows(cfg)})
 
 
 def logits_buckets(cfg: Any, tokens: int, rows: int) -> tuple[int, ...]:

@@ -50,8 +50,9 @@ def test_cpu_defaults_follow_the_model_flops():
     assert cap.kv_pool_bytes == e.num_kv_pages * 16 * 4096
     assert e.resolved_token_buckets() == (16, 64, 256, 1024, 2048)
     assert e.resolved_seq_buckets() == (4, 16, 64, 128, 256)
-    # 20 forwards (S <= T) + the decode shape (128, 128), 5 rows x 4 history widths, copy
-    assert cap.num_programs == 5 * 5 - 5 + 1 + 5 * 4 + 1
+    assert buckets.decode_rows(e) == (16, 32, 64, 128, 256)
+    # 20 forwards (S <= T) + the decode shapes (32, 32) and (128, 128), 6 rows x 4 history widths, copy
+    assert cap.num_programs == 5 * 5 - 5 + 2 + 6 * 4 + 1
     text = "\n".join(cap.lines)
     for needle in ("KV pool: 32768 pages", "max_num_seqs 256", "max_num_batched_tokens 2048", "forward programs",
                    "pads to <= 4.0 n"):
@@ -144,9 +145,13 @@ def test_bucket_ladder_bounds_padding_and_programs():
     assert buckets.choose_bucket(pairs, 100, 100) == (128, 128)
     assert buckets.choose_bucket(pairs, 100, 4) == (256, 4)
     assert buckets.choose_bucket(pairs, 100, 50) == (256, 64)
-    for n in range(1, 129):  # decode steps: T = S = the sequence bucket (16 at least)
-        s = min(b for b in cfg.resolved_seq_buckets() if b >= n)
+    # decode steps: T = S = the smallest decode row count or sequence bucket that holds them, so a
+    # step of n > 16 decodes runs fewer than 2n lm_head rows (17-32 decodes: 32, not 64)
+    assert buckets.decode_rows(cfg) == (16, 32, 64, 128)
+    for n in range(1, 129):
+        s = min(b for b in (4, 16, 32, 64, 128) if b >= n)
         assert buckets.choose_bucket(pairs, n, n) == (max(16, s), s)
+        assert buckets.choose_bucket(pairs, n, n)[1] <= max(16, 2 * n - 1)
     assert buckets.history_buckets(4096, 151_936) == [0, 64, 1024, 16384]
     assert buckets.history_buckets(40960, 151_936) == [0, 64, 1024, 16384, 151_936]  # capped at the vocab
     assert all(buckets.history_bucket(n, 151_936) in buckets.history_buckets(4096, 151_936)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -123,15 +124,14 @@ def test_cpu_replicas_size_their_pools_from_a_share_of_the_ram():
 # ---------------------------------------------------------------- two real replicas
 
 def _free_port_block(n: int) -> int:
-    """A port p with p..p+n-1 free (the router takes p, replica i takes p+1+i)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
+    """A port p with p..p+n-1 free (the router takes p, replica i takes p+1+i), below the kernel's
+    ephemeral range: a port in that range can be taken between this check and the replica's bind
+    by any outgoing connection (the router's own health polls included)."""
+    ephemeral_lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        base = random.randrange(10_000, ephemeral_lo - n)
+        socks = []
         try:
-            socks = []
             for p in range(base, base + n):
                 s = socket.socket()
                 socks.append(s)
@@ -155,11 +155,13 @@ def _metric(text: str, name: str, replica: int) -> float:
 @contextlib.contextmanager
 def _jaxserve_serve(flags: list[str], log: Path, ready: Callable[[], bool],
                     replica_ports: range) -> Iterator[None]:
-    """`jaxserve serve FLAGS` (the tiny default model, small buckets) as a subprocess, yielded once
+    """`jaxserve serve FLAGS` (the tiny default model, small sizes) as a subprocess, yielded once
     `ready()` holds; SIGTERM afterwards, after which no replica may still listen."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *flags, "--max-num-seqs", "16", "--max-num-batched-tokens",
-           "256", "--max-model-len", "512", "--no-progress", "--no-access-log"]
+    # small sizes (7 programs, not the 22 of 16 seqs / 256 tokens / 512 context): each replica
+    # compiles its set on one core, which took ~170 s of the suite per launch
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *flags, "--max-num-seqs", "4", "--max-num-batched-tokens",
+           "64", "--max-model-len", "256", "--no-progress", "--no-access-log"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
@@ -262,6 +264,32 @@ def test_the_router_passes_errors_through_and_refuses_bad_json(data_parallel):
     r = httpx.post(f"{url}/v1/completions", json={"model": "jaxserve-tiny", "prompt": "hi", "max_tokens": -3})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]  # the replica's own answer
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "jaxserve-tiny"
+
+
+def test_a_replica_that_cannot_start_stops_the_launcher_with_exit_1_naming_it(tmp_path):
+    """Replica 0's port is taken: the launcher must not go on serving on replica 1 alone (the
+    front's /health would answer 200 forever); it stops replica 1 and exits 1 naming replica 0."""
+    port = _free_port_block(3)
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    with socket.socket() as taken, open(log, "w") as out:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--data-parallel-size", "2", "--port",
+                                 str(port), "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+                                 "--max-model-len", "64", "--no-progress"],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert rc == 1, text[-4000:]
+    assert re.search(r"replica 0 \(pid \d+\) exited with [1-9]\d* on its own", text), text[-4000:]
+    assert "replica 1 exited with" in text  # stopped and waited for, not left behind
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port + 2)) != 0, "replica 1 outlived its launcher"
 
 
 # ---------------------------------------------------------------- prefill/decode in one command

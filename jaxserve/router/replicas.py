@@ -13,7 +13,10 @@ long prompt cannot take the cores of a decode instance's step; and, unless a poo
 given, each sizes its KV pool from its share of the RAM (every replica reads the same available
 RAM at start-up). The parent never starts a JAX backend: it would claim every device.
 SIGTERM/SIGINT stop the front, then every replica (each drains as `serve` does); a
-replica also gets SIGTERM if the parent dies any other way (Linux), so none outlives it.
+replica also gets SIGTERM if the parent dies any other way (Linux), so none outlives it. A replica
+that exits on its own (its port taken, a load or compile error, a crash) stops the launcher too,
+which exits 1 naming it: a front that silently serves on fewer replicas than asked hides the
+failure from whoever supervises the process.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from typing import Any, Callable, Sequence
 
 from jaxserve.capacity import DEFAULT_MEMORY_UTILIZATION
@@ -121,10 +125,22 @@ def _replica_setup(cores: Sequence[int] | None) -> Callable[[], None]:
     return setup
 
 
+def _watch_replicas(procs: Sequence[subprocess.Popen], stopping: threading.Event, failed: list[str]) -> None:
+    """Until `stopping`: the first replica to exit is recorded in `failed` and the launcher gets
+    SIGTERM (uvicorn's own handler then stops the front; the replicas are stopped after it)."""
+    while not stopping.wait(0.5):
+        for i, p in enumerate(procs):
+            if p.poll() is not None:
+                failed.append(f"replica {i} (pid {p.pid}) exited with {p.returncode}")
+                logger.error("%s on its own: stopping the other replicas and the front", failed[0])
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+
 def serve_replicas(argv: Sequence[str], roles: Sequence[Sequence[str]], devices_per_replica: int, host: str,
                    port: int, front: Callable[[list[str]], Any], log_level: str = "info") -> int:
     """Starts one `serve` process per entry of `roles` (the flags that entry adds) and serves
-    `front(their URLs)` until a signal; returns the exit code."""
+    `front(their URLs)` until a signal (0) or until a replica exits on its own (1)."""
     import uvicorn
 
     platform = local_platform()
@@ -150,10 +166,16 @@ def serve_replicas(argv: Sequence[str], roles: Sequence[Sequence[str]], devices_
     # uvicorn re-raises the SIGTERM it handled once it has stopped; with the default disposition that
     # would end this process before the replicas below are stopped and waited for.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    try:
+    stopping, failed = threading.Event(), []
+    try:  # the watcher's SIGTERM may come at once: its SystemExit must land in this try
+        threading.Thread(target=_watch_replicas, args=(procs, stopping, failed), daemon=True).start()
         logger.info("serving http://%s:%d over %d replicas", host, port, len(roles))
         uvicorn.run(front(urls), host=host, port=port, log_level=log_level, access_log=False)
+    except SystemExit:
+        if not failed:
+            raise
     finally:
+        stopping.set()
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -164,6 +186,9 @@ def serve_replicas(argv: Sequence[str], roles: Sequence[Sequence[str]], devices_
                 p.kill()
                 p.wait()
             logger.info("replica %d exited with %d", i, p.returncode)
+    if failed:
+        logger.error("stopped: %s", failed[0])
+        return 1
     return 0
 
 
