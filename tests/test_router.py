@@ -27,7 +27,8 @@ import pytest
 
 from jaxserve.router.app import label_replica, routing_key
 from jaxserve.router.policy import PREFIX_BLOCK_CHARS, RoutingPolicy
-from jaxserve.router.replicas import cpu_pool_share, local_platform, replica_argv, replica_env, split_cores
+from jaxserve.router.replicas import (cpu_pool_share, local_platform, replica_argv, replica_env, split_cores,
+                                      watch_replicas)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -264,6 +265,29 @@ def test_the_router_passes_errors_through_and_refuses_bad_json(data_parallel):
     r = httpx.post(f"{url}/v1/completions", json={"model": "jaxserve-tiny", "prompt": "hi", "max_tokens": -3})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]  # the replica's own answer
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "jaxserve-tiny"
+
+
+def test_the_watcher_stops_on_a_replica_error_but_not_on_a_drained_replica():
+    """Ctrl-C reaches the replicas too: one that drained (exit 0) or died of SIGINT/SIGTERM before
+    the launcher stopped is no failure; one that exits 3 is, and is named."""
+    import threading
+
+    def run(code: str) -> tuple[list[str], list[bool]]:
+        procs = [subprocess.Popen([sys.executable, "-c", code])]
+        failed, stops, stopping = [], [], threading.Event()
+        watcher = threading.Thread(target=watch_replicas, args=(procs, stopping, failed, lambda: stops.append(True)))
+        watcher.start()
+        procs[0].wait()
+        watcher.join(3)  # returns at once on a failure; otherwise still watching
+        stopping.set()
+        watcher.join()
+        return failed, stops
+
+    for drained in ("import sys; sys.exit(0)", "import os, signal; os.kill(os.getpid(), signal.SIGINT)",
+                    "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"):
+        assert run(drained) == ([], []), drained
+    failed, stops = run("import sys; sys.exit(3)")
+    assert stops == [True] and re.fullmatch(r"replica 0 \(pid \d+\) exited with 3", failed[0]), failed
 
 
 def test_a_replica_that_cannot_start_stops_the_launcher_with_exit_1_naming_it(tmp_path):

@@ -14,7 +14,7 @@ given, each sizes its KV pool from its share of the RAM (every replica reads the
 RAM at start-up). The parent never starts a JAX backend: it would claim every device.
 SIGTERM/SIGINT stop the front, then every replica (each drains as `serve` does); a
 replica also gets SIGTERM if the parent dies any other way (Linux), so none outlives it. A replica
-that exits on its own (its port taken, a load or compile error, a crash) stops the launcher too,
+that exits with an error (its port taken, a load or compile error, a crash) stops the launcher too,
 which exits 1 naming it: a front that silently serves on fewer replicas than asked hides the
 failure from whoever supervises the process.
 """
@@ -125,22 +125,26 @@ def _replica_setup(cores: Sequence[int] | None) -> Callable[[], None]:
     return setup
 
 
-def _watch_replicas(procs: Sequence[subprocess.Popen], stopping: threading.Event, failed: list[str]) -> None:
-    """Until `stopping`: the first replica to exit is recorded in `failed` and the launcher gets
-    SIGTERM (uvicorn's own handler then stops the front; the replicas are stopped after it)."""
+def watch_replicas(procs: Sequence[subprocess.Popen], stopping: threading.Event, failed: list[str],
+                   stop: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)) -> None:
+    """Until `stopping`: the first replica to exit with an error is recorded in `failed` and the
+    launcher is stopped (`stop`: SIGTERM to itself; uvicorn's own handler then stops the front; the replicas are stopped
+    after it). A replica that drained on a signal (exit 0, or killed by SIGINT/SIGTERM) is not a
+    failure: Ctrl-C reaches the replicas too, before the launcher sets `stopping`."""
+    stopped = (None, 0, -signal.SIGINT, -signal.SIGTERM)
     while not stopping.wait(0.5):
         for i, p in enumerate(procs):
-            if p.poll() is not None:
+            if p.poll() not in stopped:
                 failed.append(f"replica {i} (pid {p.pid}) exited with {p.returncode}")
                 logger.error("%s on its own: stopping the other replicas and the front", failed[0])
-                os.kill(os.getpid(), signal.SIGTERM)
+                stop()
                 return
 
 
 def serve_replicas(argv: Sequence[str], roles: Sequence[Sequence[str]], devices_per_replica: int, host: str,
                    port: int, front: Callable[[list[str]], Any], log_level: str = "info") -> int:
     """Starts one `serve` process per entry of `roles` (the flags that entry adds) and serves
-    `front(their URLs)` until a signal (0) or until a replica exits on its own (1)."""
+    `front(their URLs)` until a signal (0) or until a replica exits with an error (1)."""
     import uvicorn
 
     platform = local_platform()
@@ -168,7 +172,7 @@ def serve_replicas(argv: Sequence[str], roles: Sequence[Sequence[str]], devices_
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     stopping, failed = threading.Event(), []
     try:  # the watcher's SIGTERM may come at once: its SystemExit must land in this try
-        threading.Thread(target=_watch_replicas, args=(procs, stopping, failed), daemon=True).start()
+        threading.Thread(target=watch_replicas, args=(procs, stopping, failed), daemon=True).start()
         logger.info("serving http://%s:%d over %d replicas", host, port, len(roles))
         uvicorn.run(front(urls), host=host, port=port, log_level=log_level, access_log=False)
     except SystemExit:
