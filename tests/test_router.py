@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -153,18 +154,22 @@ def _metric(text: str, name: str, replica: int) -> float:
     return total
 
 
+def _launch(flags: list[str], out) -> subprocess.Popen:
+    """`jaxserve serve FLAGS` at small sizes (7 programs, not the 22 of 16 seqs / 256 tokens / 512
+    context: each replica compiles its set on one core, which took ~170 s of the suite per launch)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *flags, "--max-num-seqs", "4", "--max-num-batched-tokens",
+           "64", "--max-model-len", "256", "--no-progress", "--no-access-log"]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
 @contextlib.contextmanager
 def _jaxserve_serve(flags: list[str], log: Path, ready: Callable[[], bool],
                     replica_ports: range) -> Iterator[None]:
     """`jaxserve serve FLAGS` (the tiny default model, small sizes) as a subprocess, yielded once
     `ready()` holds; SIGTERM afterwards, after which no replica may still listen."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
-    # small sizes (7 programs, not the 22 of 16 seqs / 256 tokens / 512 context): each replica
-    # compiles its set on one core, which took ~170 s of the suite per launch
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *flags, "--max-num-seqs", "4", "--max-num-batched-tokens",
-           "64", "--max-model-len", "256", "--no-progress", "--no-access-log"]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = _launch(flags, out)
     deadline = time.monotonic() + 300
     try:
         while True:
@@ -270,8 +275,6 @@ def test_the_router_passes_errors_through_and_refuses_bad_json(data_parallel):
 def test_the_watcher_stops_on_a_replica_error_but_not_on_a_drained_replica():
     """Ctrl-C reaches the replicas too: one that drained (exit 0) or died of SIGINT/SIGTERM before
     the launcher stopped is no failure; one that exits 3 is, and is named."""
-    import threading
-
     def run(code: str) -> tuple[list[str], list[bool]]:
         procs = [subprocess.Popen([sys.executable, "-c", code])]
         failed, stops, stopping = [], [], threading.Event()
@@ -295,14 +298,10 @@ def test_a_replica_that_cannot_start_stops_the_launcher_with_exit_1_naming_it(tm
     front's /health would answer 200 forever); it stops replica 1 and exits 1 naming replica 0."""
     port = _free_port_block(3)
     log = tmp_path / "serve.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
     with socket.socket() as taken, open(log, "w") as out:
         taken.bind(("127.0.0.1", port + 1))
         taken.listen()
-        proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--data-parallel-size", "2", "--port",
-                                 str(port), "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
-                                 "--max-model-len", "64", "--no-progress"],
-                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = _launch(["--data-parallel-size", "2", "--port", str(port)], out)
         try:
             rc = proc.wait(240)
         finally:
