@@ -37,7 +37,8 @@ class Cluster:
     def __init__(self, tmp: Path, stall_timeout: float = 10.0) -> None:
         coordinator = f"127.0.0.1:{_free_port()}"
         self.port = _free_port()
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+        env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
                "HF_HUB_OFFLINE": "1"}
         self.logs = [tmp / f"rank{r}.log" for r in (0, 1)]
         self.procs = []
@@ -133,14 +134,16 @@ def test_two_processes_serve_one_tp8_model_like_one_process_and_a_dead_follower_
 
 @pytest.mark.parametrize("victim,sig,message", [
     (0, signal.SIGKILL, "rank 0 (the leader) closed its connection"),
-    (1, signal.SIGSTOP, "rank 1 sent nothing (not even a heartbeat) for 5s"),  # alive, connected, silent
+    (1, signal.SIGSTOP, "rank 1 sent nothing (not even a heartbeat) for 10s"),  # alive, connected, silent
 ])
 def test_a_dead_or_stalled_rank_stops_the_other(tmp_path, victim, sig, message):
-    with Cluster(tmp_path, stall_timeout=5.0) as cluster:
+    # the default stall timeout: with 5 s a follower once gave up on a leader that was warming up
+    # on a loaded 2-core machine (a suite run, 46 s into warm-up)
+    with Cluster(tmp_path) as cluster:
         cluster.procs[victim].send_signal(sig)
         code, seconds = cluster.exit_within(1 - victim, 30)
         assert code != 0 and message in cluster.log(1 - victim)
-        assert seconds >= 4.0 or sig == signal.SIGKILL
+        assert seconds >= 9.0 or sig == signal.SIGKILL
 
 
 def test_a_leader_stopped_by_sigterm_stops_its_followers_cleanly(tmp_path):

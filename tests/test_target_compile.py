@@ -41,6 +41,8 @@ def test_every_serving_program_compiles_for_tpu(target, tp, family):
     programs = serving_programs(ENGINE, cfg)
     assert [p.kind for p in programs].count("forward") == 4  # tokens {16, 32} x seqs {4, 8}
     for program in programs:
+        if program.kind == "sample" and family != "qwen3":
+            continue  # a sampler sees only the vocabulary and the mesh: the same program for both families
         compiled = lower_program(program, cfg, ENGINE, mesh, "bfloat16", attention, layout.rules).compile()
         assert compiled.memory_analysis() is not None
         if program.kind == "forward":
