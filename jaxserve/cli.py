@@ -12,6 +12,7 @@ import os
 import re
 import sys
 
+from jaxserve.multihost import DEFAULT_STALL_TIMEOUT
 from jaxserve.quant.kv import KV_CACHE_DTYPES
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -283,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "follow its steps (default: auto-detected by JAX, e.g. on Cloud TPU VMs)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="rank 0's address for JAX's "
                    "distributed runtime (default: auto-detected); the step channel uses PORT+1")
-    g.add_argument("--multihost-stall-timeout", type=_positive_float, default=10.0, help="seconds without a "
+    g.add_argument("--multihost-stall-timeout", type=_positive_float, default=DEFAULT_STALL_TIMEOUT, help="seconds without a "
                    "heartbeat after which a rank counts as dead and every other rank exits non-zero")
     g = s.add_argument_group("tools and reasoning")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",

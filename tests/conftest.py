@@ -7,7 +7,7 @@ from pathlib import Path
 
 # Must happen before jax is imported anywhere. The suite's time is ~2/3 XLA:CPU compiles of tiny
 # programs (a 2-layer forward is ~200 fusions, ~17 ms of LLVM each); LLVM at -O0 compiles them in
-# ~0.7x the time (bench: 3.4 -> 2.4 s for that forward, a tiny engine's warm-up 23.9 -> 18.8 s) and
+# ~0.8x the time (that forward 3.1-3.6 -> 2.6-3.1 s, a tiny engine's warm-up 23.9 -> 18.8 s) and
 # the models are too small for code speed to matter. No fast math at either level (sums may round
 # differently in the last bits). Compile-only TPU targets ignore the flag; subprocesses inherit it.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")

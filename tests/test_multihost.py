@@ -17,7 +17,8 @@ import httpx
 import openai
 import pytest
 
-from jaxserve.multihost import MultiHost
+from jaxserve.multihost import DEFAULT_STALL_TIMEOUT, MultiHost
+from jaxserve.router.replicas import replica_env
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = ["--tensor-parallel-size", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
@@ -34,17 +35,15 @@ def _free_port() -> int:
 class Cluster:
     """Two serve processes; rank 0 answers HTTP on `port`."""
 
-    def __init__(self, tmp: Path, stall_timeout: float = 10.0) -> None:
+    def __init__(self, tmp: Path) -> None:
         coordinator = f"127.0.0.1:{_free_port()}"
         self.port = _free_port()
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-        env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-               "HF_HUB_OFFLINE": "1"}
+        env = replica_env("cpu", 0, 4, {**os.environ, "HF_HUB_OFFLINE": "1"})  # the suite's XLA flags, 4 devices
         self.logs = [tmp / f"rank{r}.log" for r in (0, 1)]
         self.procs = []
         for rank in (1, 0):
             cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--num-hosts", "2", "--host-rank", str(rank),
-                   "--coordinator", coordinator, "--multihost-stall-timeout", str(stall_timeout), "--no-progress",
+                   "--coordinator", coordinator, "--no-progress",
                    "--port", str(self.port), *SIZES]
             with open(self.logs[rank], "w") as log:
                 self.procs.insert(0, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -134,7 +133,7 @@ def test_two_processes_serve_one_tp8_model_like_one_process_and_a_dead_follower_
 
 @pytest.mark.parametrize("victim,sig,message", [
     (0, signal.SIGKILL, "rank 0 (the leader) closed its connection"),
-    (1, signal.SIGSTOP, "rank 1 sent nothing (not even a heartbeat) for 10s"),  # alive, connected, silent
+    (1, signal.SIGSTOP, f"rank 1 sent nothing (not even a heartbeat) for {DEFAULT_STALL_TIMEOUT:.0f}s"),  # alive, silent
 ])
 def test_a_dead_or_stalled_rank_stops_the_other(tmp_path, victim, sig, message):
     # the default stall timeout: with 5 s a follower once gave up on a leader that was warming up
@@ -143,7 +142,7 @@ def test_a_dead_or_stalled_rank_stops_the_other(tmp_path, victim, sig, message):
         cluster.procs[victim].send_signal(sig)
         code, seconds = cluster.exit_within(1 - victim, 30)
         assert code != 0 and message in cluster.log(1 - victim)
-        assert seconds >= 9.0 or sig == signal.SIGKILL
+        assert seconds >= DEFAULT_STALL_TIMEOUT - 1 or sig == signal.SIGKILL
 
 
 def test_a_leader_stopped_by_sigterm_stops_its_followers_cleanly(tmp_path):
