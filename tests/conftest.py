@@ -6,11 +6,14 @@ import sys
 from pathlib import Path
 
 # Must happen before jax is imported anywhere. The suite's time is ~2/3 XLA:CPU compiles of tiny
-# programs (a 2-layer forward is ~200 fusions, ~17 ms of LLVM each); LLVM at -O0 compiles them in
-# ~0.8x the time (that forward 3.1-3.6 -> 2.6-3.1 s, a tiny engine's warm-up 23.9 -> 18.8 s) and
-# the models are too small for code speed to matter. No fast math at either level (sums may round
-# differently in the last bits). Compile-only TPU targets ignore the flag; subprocesses inherit it.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+# programs (a 2-layer forward is ~200 fusions). Two flags halve a tiny engine's warm-up (19-21 s of
+# CPU -> 8.7-9.5 s, Xeon Sapphire Rapids): XLA:CPU's older elemental fusion emitter instead of the
+# MLIR fusion emitters (most of the time per fusion is the MLIR pipeline), and LLVM at -O0. The
+# models are too small for code speed to matter, except to structured/test_validity (a softmax over
+# [64, 151,936]: 68 ms at the serving flags, 138 ms at these). No fast math at either level.
+# Compile-only TPU targets ignore both flags; subprocesses inherit them.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+                      " --xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
