@@ -346,9 +346,26 @@ def program_memory(program: Program, model: ModelConfig, engine: EngineConfig, m
 
 def _compiled_memory(program: Program, model: ModelConfig, engine: EngineConfig, mesh: jax.sharding.Mesh,
                      dtype: Any, attention: Any, rules: sharding.Rules) -> tuple[int, int, int, str]:
-    """(argument bytes, temp bytes, code bytes, HLO text) of one compile."""
+    """(argument bytes, temp bytes, code bytes, HLO text) of one compile. Identical programs for the
+    same devices compile once per process (a sweep's layouts that split the vocabulary alike share
+    their sampler; plans that differ only in pool size share every program)."""
+    lowered = lower_program(program, model, engine, mesh, dtype, attention, rules)
+    key = (lowered.as_text(), tuple((d.device_kind, d.id) for d in mesh.devices.flat))
+    if key not in _COMPILED:
+        _COMPILED[key] = _compile_memory(lowered, program, engine, mesh)
+        while len(_COMPILED) > _COMPILED_LIMIT:
+            _COMPILED.pop(next(iter(_COMPILED)))
+    return _COMPILED[key]
+
+
+_COMPILED: dict[tuple[str, tuple], tuple[int, int, int, str]] = {}   # insertion-ordered: oldest first
+_COMPILED_LIMIT = 32
+
+
+def _compile_memory(lowered: jax.stages.Lowered, program: Program, engine: EngineConfig,
+                    mesh: jax.sharding.Mesh) -> tuple[int, int, int, str]:
     try:
-        compiled = lower_program(program, model, engine, mesh, dtype, attention, rules).compile()
+        compiled = lowered.compile()
     except Exception as e:  # XLA refuses a program that cannot fit the device even with a tiny pool
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -465,7 +482,8 @@ def sweep(model: ModelConfig, target: Target, engine: EngineConfig, dtype: Any, 
     plans = []
     for layout in candidate_layouts(model, target.num_devices):
         eng = dataclasses.replace(engine, max_num_seqs=engine.max_num_seqs or batch)
-        plans.append(plan_deployment(model, target, layout, eng, dtype, context=context, batch=batch))
+        plans.append(plan_deployment(model, target, layout, eng, dtype, context=context, batch=batch,
+                                     compile_layers=compile_layers))
     return sorted(plans, key=lambda p: (not p.fits, -decode_tokens_per_chip(p, batch)))
 
 

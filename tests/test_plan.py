@@ -51,6 +51,24 @@ def test_cpu_plan_matches_the_bytes_the_engine_allocates():
     assert plan.fits and plan.programs_compiled == 3
 
 
+def test_plans_that_differ_only_in_pool_size_compile_each_program_once(monkeypatch):
+    """The programs are compiled at two small pool sizes whatever the pool: a second plan of the
+    same model and buckets reuses every compile (a sweep's or a fit search's repeated programs)."""
+    from jaxserve import plan as plan_module
+
+    compiled = []
+    real = plan_module._compile_memory
+    monkeypatch.setattr(plan_module, "_COMPILED", {})
+    monkeypatch.setattr(plan_module, "_compile_memory", lambda lowered, program, *a: compiled.append(program.name)
+                        or real(lowered, program, *a))
+    plans = [plan_deployment(_config(), parse_target("cpu"), make_layout("tp", 1),
+                             EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=mib * 2**20),
+                             "float32") for mib in (8, 16)]
+    assert plans[0].kv_pool_bytes == pytest.approx(plans[1].kv_pool_bytes / 2, rel=0.05)
+    # for both plans together: each forward at the two pool sizes, the sampler once
+    assert len(compiled) == 2 * (plans[0].programs_compiled - 1) + 1 and plans[0].programs_compiled == 3
+
+
 # Hand arithmetic for the fit cases: a Llama-shaped model, 4 layers at 70B-class widths, bf16.
 BIG = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192, intermediate_size=28672,
            num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096,
@@ -110,7 +128,8 @@ def test_collectives_parser_counts_sync_and_async_ops():
 
 def test_sweep_ranks_fitting_layouts_by_tokens_per_chip():
     cfg = _config(num_attention_heads=8, num_key_value_heads=2, vocab_size=1024)
-    plans = sweep(cfg, parse_target("tpu-v6e:2x2"), EngineConfig(max_num_batched_tokens=32, max_model_len=128),
+    # 8 tokens for 8 sequences: the decode bucket is the largest, one forward per layout to compile
+    plans = sweep(cfg, parse_target("tpu-v6e:2x2"), EngineConfig(max_num_batched_tokens=8, max_model_len=128),
                   "bfloat16", batch=8, context=128)
     assert {p.layout for p in plans} == {"tp dp=4 tp=1", "tp dp=2 tp=2", "tp dp=1 tp=4",
                                          "tp-vocab-replicated dp=2 tp=2", "tp-vocab-replicated dp=1 tp=4",
