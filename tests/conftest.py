@@ -9,8 +9,9 @@ from pathlib import Path
 # programs (a 2-layer forward is ~200 fusions). Two flags halve a tiny engine's warm-up (19-21 s of
 # CPU -> 8.7-9.5 s, Xeon Sapphire Rapids): XLA:CPU's older elemental fusion emitter instead of the
 # MLIR fusion emitters (most of the time per fusion is the MLIR pipeline), and LLVM at -O0. The
-# models are too small for code speed to matter, except to structured/test_validity (a softmax over
-# [64, 151,936]: 68 ms at the serving flags, 138 ms at these). No fast math at either level.
+# models are too small for code speed to matter (a softmax over [64, 151,936]: 68 ms at XLA's own
+# flags, 138 ms at these), except to structured/test_validity, which generates its samples in a
+# child process at XLA's own flags. No fast math at either level.
 # Compile-only TPU targets ignore both flags; subprocesses inherit them.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
                       " --xla_cpu_use_fusion_emitters=false")
