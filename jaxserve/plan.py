@@ -344,6 +344,10 @@ def program_memory(program: Program, model: ModelConfig, engine: EngineConfig, m
                          first[3])
 
 
+_COMPILED: dict[tuple[str, tuple], tuple[int, int, int, str]] = {}   # insertion-ordered: oldest first
+_COMPILED_LIMIT = 32
+
+
 def _compiled_memory(program: Program, model: ModelConfig, engine: EngineConfig, mesh: jax.sharding.Mesh,
                      dtype: Any, attention: Any, rules: sharding.Rules) -> tuple[int, int, int, str]:
     """(argument bytes, temp bytes, code bytes, HLO text) of one compile. Identical programs for the
@@ -356,10 +360,6 @@ def _compiled_memory(program: Program, model: ModelConfig, engine: EngineConfig,
         while len(_COMPILED) > _COMPILED_LIMIT:
             _COMPILED.pop(next(iter(_COMPILED)))
     return _COMPILED[key]
-
-
-_COMPILED: dict[tuple[str, tuple], tuple[int, int, int, str]] = {}   # insertion-ordered: oldest first
-_COMPILED_LIMIT = 32
 
 
 def _compile_memory(lowered: jax.stages.Lowered, program: Program, engine: EngineConfig,
