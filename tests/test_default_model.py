@@ -1,13 +1,14 @@
 """The embedded `jaxserve-tiny` directory: written once, ordinary HF format, loadable by transformers."""
 
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+
+from own_process import child_env
 
 from jaxserve.default_model import (
     ADDED_TOKENS,
@@ -49,9 +50,7 @@ def fresh_build(cache_root, tmp_path_factory):
     partial = root / MODEL_NAME
     partial.mkdir(parents=True)
     (partial / "config.json").write_text("{}")  # no completion marker: as if a writer crashed
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", _BUILD_WITHOUT_TORCH, str(root)], env=env,
+    done = subprocess.run([sys.executable, "-c", _BUILD_WITHOUT_TORCH, str(root)], env=child_env(),
                           timeout=300, capture_output=True, text=True)
     return root, done
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -34,6 +33,8 @@ import httpx
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from own_process import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 PROJECT = "jaxserve"
@@ -289,7 +290,7 @@ def _gated(tmp_path: Path) -> list[str]:
 @pytest.mark.slow
 def test_server_path_runs_with_only_the_declared_dependencies(tmp_path):
     gated = _gated(tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = child_env()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"

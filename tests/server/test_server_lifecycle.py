@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -17,6 +16,7 @@ import uvicorn
 
 from jaxserve.server import ServerConfig, build_app
 from jaxserve.server.launch import FINAL_GRACE_SECONDS, GracefulServer
+from own_process import child_env
 from server_utils import MODEL, TEST_ENGINE, LiveServer, read_sse, start_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,8 +78,7 @@ def _free_port() -> int:
 
 def _env() -> dict[str, str]:
     # Same XLA options as this process, so the warm-up hits the compilation cache written here.
-    return {**os.environ, "JAX_DEFAULT_MATMUL_PRECISION": "highest",
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return child_env(JAX_DEFAULT_MATMUL_PRECISION="highest")
 
 
 def test_sigterm_drains_in_flight_stream_and_exits_0(xla_cache_dir, loaded_model, tmp_path):

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -119,9 +117,10 @@ def samples(tmp_path_factory) -> dict[str, list]:
     flags (tests/conftest.py) a step of 64 sampled rows over the 151,936-token vocabulary takes 295 ms
     against 83 ms (Xeon Sapphire Rapids), and the whole file took 440 s in-process, ~115 s this way
     (a fresh process's 47 s warm-up included)."""
+    from own_process import child_env  # here: the child runs this file with only the repository on its path
+
     path = tmp_path_factory.mktemp("validity") / "samples.json"
-    repo = str(Path(__file__).resolve().parents[2])  # importable when the suite runs from a source tree
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    env = child_env(XLA_FLAGS="", JAX_DEFAULT_MATMUL_PRECISION="highest")  # XLA's flags, the suite's precision
     proc = subprocess.run([sys.executable, __file__, str(path)], env=env, capture_output=True, text=True,
                           timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -174,8 +173,5 @@ def test_lark_grammar_samples_parse(samples):
 
 
 if __name__ == "__main__":  # the samples fixture's child process: python test_validity.py OUT.json
-    import jax
-
-    jax.config.update("jax_default_matmul_precision", "highest")  # as the suite's
     with open(sys.argv[1], "w") as f:
         json.dump(_generate_samples(), f)
