@@ -6,13 +6,17 @@ on for up to `shutdown_timeout` seconds. Once none is left (or the time is up) u
 closes the listener, cancels what still runs (which aborts those engine requests), the lifespan
 stops the engine thread, and `serve` returns 0. A second Ctrl+C stops at once. Unlike uvicorn's
 default, the signal is not re-raised after the shutdown, so a clean SIGTERM exit has exit code 0.
+A signal while the model still loads or warms up ends the process as soon as uvicorn has stopped
+(exit code 0; the warm-up's compiles are not waited for).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -147,4 +151,14 @@ def serve(model: str | None, engine_cfg: EngineConfig, server_cfg: ServerConfig,
     finally:
         if followers is not None:
             followers.close()
-    return 1 if failed else 0  # the loader thread has logged why
+    code = 1 if failed else 0  # the loader thread has logged why
+    if app.state.server.loader_running:
+        # Stopped during the load or warm-up: the loader thread is inside XLA and cannot be
+        # interrupted, and an interpreter exit around it aborts the process (SIGABRT, "FATAL:
+        # exception not rethrown") when the thread returns into Python. Nothing is left to save.
+        logger.info("stopped while the model was loading")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -102,6 +102,11 @@ class ServerState:
         self._thread = threading.Thread(target=self._load, name="jaxserve-loader", daemon=True)
         self._thread.start()
 
+    @property
+    def loader_running(self) -> bool:
+        """The loader thread is still loading or warming up the model (inside XLA, uninterruptible)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def _load(self) -> None:
         start = time.monotonic()
         try:

@@ -207,3 +207,34 @@ def test_model_that_fails_to_load_is_one_clear_line_and_exit_1(tmp_path):
     errors = [line for line in log.splitlines() if " ERROR " in line]
     assert len(errors) == 1, log
     assert "'not/cached'" in errors[0] and "`hf download not/cached`" in errors[0]
+
+
+def test_sigterm_while_the_model_loads_exits_0_at_once(tmp_path):
+    """Stopped during its warm-up (an empty compilation cache: ~a minute of XLA compiles), `jaxserve
+    serve` exits 0 within seconds. Before, the interpreter's exit ran while the loader thread was
+    inside an XLA compile, and the thread's return into Python aborted the process ("FATAL:
+    exception not rethrown", SIGABRT)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--no-progress",
+           "--compilation-cache-dir", str(tmp_path / "xla")]
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "jaxserve.model_runner" not in log_path.read_text():  # the model is loaded: warm-up begins
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        time.sleep(2)  # well inside the warm-up's compiles
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 503
+        proc.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = log_path.read_text()
+    assert code == 0 and took < 10, (code, took, log)
+    assert "jaxserve ready at" not in log and "FATAL" not in log and "SIGABRT" not in log, log
