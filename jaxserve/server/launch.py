@@ -152,10 +152,11 @@ def serve(model: str | None, engine_cfg: EngineConfig, server_cfg: ServerConfig,
         if followers is not None:
             followers.close()
     code = 1 if failed else 0  # the loader thread has logged why
-    if app.state.server.loader_running:
-        # Stopped during the load or warm-up: the loader thread is inside XLA and cannot be
-        # interrupted, and an interpreter exit around it aborts the process (SIGABRT, "FATAL:
-        # exception not rethrown") when the thread returns into Python. Nothing is left to save.
+    if app.state.server.native_work_running:
+        # Stopped during the load or warm-up (or llguidance's start-up right after it): that thread
+        # is inside native code and cannot be interrupted, and an interpreter exit around it aborts
+        # the process (SIGABRT, "FATAL: exception not rethrown") when the thread returns into
+        # Python. Nothing is left to save.
         logger.info("stopped while the model was loading")
         logging.shutdown()
         sys.stdout.flush()

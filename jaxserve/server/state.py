@@ -91,7 +91,7 @@ class ServerState:
         self.strings: TokenStrings | None = None
         self.load_seconds = 0.0
         self.in_flight = 0             # HTTP requests running now (app.py counts them, on the event loop)
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []  # the loader, then the grammar compiler's warm-up
         self.tokenize_lock = threading.Lock()
         self._grammars: Any = None
         self._grammars_lock = threading.Lock()
@@ -99,13 +99,18 @@ class ServerState:
     # -------------------------------------------------------------- lifecycle
 
     def start_loading(self) -> None:
-        self._thread = threading.Thread(target=self._load, name="jaxserve-loader", daemon=True)
-        self._thread.start()
+        self._start_thread(self._load, "jaxserve-loader")
+
+    def _start_thread(self, target: Callable[[], Any], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     @property
-    def loader_running(self) -> bool:
-        """The loader thread is still loading or warming up the model (inside XLA, uninterruptible)."""
-        return self._thread is not None and self._thread.is_alive()
+    def native_work_running(self) -> bool:
+        """A background thread still runs native code that cannot be interrupted: the model's load
+        and warm-up (XLA), or llguidance's first view of the vocabulary."""
+        return any(thread.is_alive() for thread in self._threads)
 
     def _load(self) -> None:
         start = time.monotonic()
@@ -128,7 +133,7 @@ class ServerState:
                                         tokenizer.convert_ids_to_tokens)
             self.load_seconds = time.monotonic() - start
             # llguidance's view of the vocabulary takes ~1.5 s: build it now, not in a first request
-            threading.Thread(target=lambda: self.grammars, name="jaxserve-grammars", daemon=True).start()
+            self._start_thread(lambda: self.grammars, "jaxserve-grammars")
         except BaseException as e:
             self.error = e
             self.status = "failed"
