@@ -157,7 +157,7 @@ def serve(model: str | None, engine_cfg: EngineConfig, server_cfg: ServerConfig,
         # is inside native code and cannot be interrupted, and an interpreter exit around it aborts
         # the process (SIGABRT, "FATAL: exception not rethrown") when the thread returns into
         # Python. Nothing is left to save.
-        logger.info("stopped while the model was loading")
+        logger.info("stopped before the start-up finished: exiting without waiting for it")
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
