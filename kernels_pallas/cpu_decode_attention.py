@@ -38,7 +38,7 @@ logger = logging.getLogger("jaxserve.attention")
 TARGET = "jaxserve_cpu_decode_attention"
 _SOURCE = Path(__file__).with_suffix(".cc")
 _SYMBOL = "JaxserveCpuDecodeAttention"
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 # page dtypes the kernel reads (int8 with its scales); float8 pages take the jnp path
 _PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
 
