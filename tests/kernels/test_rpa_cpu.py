@@ -41,10 +41,11 @@ def test_window_soft_cap_and_bf16_pages():
     _check(case, dtype=jnp.bfloat16, rtol=1e-2, soft_cap=2.0)
 
 
-@pytest.mark.parametrize("head_dim,page_size", [(40, 32), (8, 16), (16, 12)])
-def test_head_sizes_off_the_vector_width_and_pages_over_16_tokens(head_dim, page_size):
-    """The kernel reads head values and page slots 16 at a time: a head with a remainder (40 = 2 x 16
-    + 8), one shorter than a vector (8), pages of 32 and of 12 slots, window and soft cap included."""
+@pytest.mark.parametrize("head_dim,page_size", [(42, 32), (6, 16), (16, 12)])
+def test_head_and_page_sizes_off_the_vector_width(head_dim, page_size):
+    """The kernel reads head values and page slots a vector (8 floats with AVX, else 4) at a time:
+    a head with a remainder (42), one shorter than a vector (6), pages of 32 and of 12 slots (the
+    rest of the last vector masked), window and soft cap included."""
     case = make_case(fresh_rng(), [(1, 70), (1, 33), (1, 1), (3, 40), (1, 17)], num_q_heads=6, num_kv_heads=2,
                      head_dim=head_dim, page_size=page_size, max_seqs=7)
     scramble_padding(case)
