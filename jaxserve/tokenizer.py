@@ -65,6 +65,10 @@ class Tokenizer:
         ids.update(i for i, t in self.hf.added_tokens_decoder.items() if t.special)
         return sorted(ids)
 
+    def added_vocab(self) -> dict[str, int]:
+        """Added tokens, content -> id: strings the tokenizer matches whole, before its model runs."""
+        return dict(self.hf.get_added_vocab())
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))

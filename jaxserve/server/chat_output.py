@@ -3,7 +3,9 @@
 The reasoning parser (if the server has one) splits the thinking off first; the rest goes through
 the tool parser when the request's tools may be called. Streaming feeds each text delta through the
 same parsers a whole response uses (`message()` is feed + finish on fresh parsers), so the streamed
-fields concatenate to the non-streamed ones.
+fields concatenate to the non-streamed ones. When the tool choice is forced the grammar made the
+output calls, so `message()` reports exactly what the stream sends (a call cut off by max_tokens is
+still that call) instead of the tool parser's stricter reading of free text.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from jaxserve.server.tools.base import ToolCall, ToolCallDelta
 
 class ChoiceOutput:
     def __init__(self, reasoning_cls: type | None, tool_cls: type | None, tools: list[dict] | None,
-                 prompt_text: str = "") -> None:
+                 prompt_text: str = "", forced: bool = False) -> None:
         self._reasoning_cls, self._tool_cls, self._tools = reasoning_cls, tool_cls, tools
-        self._prompt_text = prompt_text
+        self._prompt_text, self._forced = prompt_text, forced
         self._reasoning = reasoning_cls(prompt_text) if reasoning_cls is not None else None
         self._calls = tool_cls(tools) if tool_cls is not None else None
         self.made_tool_calls = False
@@ -36,13 +38,14 @@ class ChoiceOutput:
 
     def message(self, text: str) -> dict[str, Any]:
         """The whole assistant message for `text` (fresh parsers: independent of any stream)."""
-        out = ChoiceOutput(self._reasoning_cls, self._tool_cls, self._tools, self._prompt_text)
+        out = ChoiceOutput(self._reasoning_cls, self._tool_cls, self._tools, self._prompt_text, self._forced)
         reasoning, content = None, text
         if out._reasoning is not None:
             reasoning, content = out._reasoning.parse(text)
         calls: list[ToolCall] = []
         if out._calls is not None:
-            content, calls = out._calls.parse(content or "")
+            parse = out._calls.parse_as_streamed if self._forced else out._calls.parse
+            content, calls = parse(content or "")
         if not content:  # OpenAI: null beside tool calls; vLLM: null when everything was reasoning
             content = None if calls or out._reasoning is not None else ""
         msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}

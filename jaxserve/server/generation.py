@@ -60,13 +60,15 @@ def submit(state: ServerState, gen: GenerationRequest, arrival: float) -> tuple[
     resp = _Response(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), gen.model, gen.kind)
     timeout = state.config.request_timeout
     deadline = arrival + timeout if timeout is not None else None
+    # A tool parser reads the text: its tags must survive decoding even where they are special tokens.
+    decoder = state.model.tool_tags.decoder(state.tokenizer) if gen.parses_tool_calls else state.tokenizer
     runs = []
     for i, ids in enumerate(gen.prompts):
         request = Request(f"{resp.id}-{i}", ids, dataclasses.replace(gen.params), state.tokenizer.eos_token_ids,
                           priority=gen.priority, cache_salt=gen.cache_salt, grammar=gen.grammar,
                           lora_name=gen.model if gen.model in state.model.lora_names else None,
                           arrival_time=arrival)
-        runs.append(RequestRun(engine, state.tokenizer, request, i * gen.params.n,
+        runs.append(RequestRun(engine, decoder, request, i * gen.params.n,
                                gen.include_stop_str_in_output, state.metrics, deadline))
     try:
         for run in runs:
@@ -123,7 +125,8 @@ async def _completion_events(state: ServerState, gen: GenerationRequest, resp: _
 def _choice_outputs(state: ServerState, gen: GenerationRequest, num_choices: int) -> list[ChoiceOutput]:
     ctx = state.model
     tool_cls = ctx.tool_parser if gen.parses_tool_calls else None
-    return [ChoiceOutput(ctx.reasoning_parser, tool_cls, gen.tools, gen.prompt_text) for _ in range(num_choices)]
+    return [ChoiceOutput(ctx.reasoning_parser, tool_cls, gen.tools, gen.prompt_text, gen.forces_tool_calls)
+            for _ in range(num_choices)]
 
 
 async def _chat_events(state: ServerState, gen: GenerationRequest, resp: _Response,

@@ -23,7 +23,8 @@ def request_grammar(compiler: GrammarCompiler, gen: GenerationRequest, ctx: Mode
     try:
         if gen.forces_tool_calls:
             field = "tool_choice"
-            lark = ctx.tool_parser.grammar(gen.tools, gen.tool_choice, gen.parallel_tool_calls)
+            lark = ctx.tool_parser.grammar(gen.tools, gen.tool_choice, gen.parallel_tool_calls,
+                                           ctx.tool_tags.tokens)
             return compiler.compile_text(compose({"lark_grammar": lark}, prefix), field)
         return compiler.compile(gen.params.structured_outputs, prefix, field=field)
     except GrammarError as e:

@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from jaxserve.server.errors import bad_request, model_not_found, server_error
 from jaxserve.server.structured_fields import STRUCTURED_FIELDS, parse_structured
+from jaxserve.server.tools.tags import ToolTags
 from jaxserve.server.tools.validation import validate_tool_choice, validate_tools
 from jaxserve.structured.spec import StructuredOutputs
 from jaxserve.tokenizer import ChatTemplateUnavailable
@@ -58,6 +59,7 @@ class ModelContext:
     tokenizer: TokenizerLike
     reasoning_parser: type | None = None   # server/reasoning/ class (--reasoning-parser)
     tool_parser: type | None = None        # server/tools/ class (--tool-call-parser, default hermes)
+    tool_tags: ToolTags = ToolTags()       # how the vocabulary holds tool_parser's tags
     auto_tool_choice: bool = False         # --enable-auto-tool-choice: tool_choice "auto" is parsed
     lora_names: tuple[str, ...] = ()       # --lora-modules: a request's `model` may name an adapter
 

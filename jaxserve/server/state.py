@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from jaxserve.server.errors import unavailable
 from jaxserve.server.reasoning import get_reasoning_parser
 from jaxserve.server.tools import DEFAULT_TOOL_PARSER, TOOL_PARSERS, get_tool_parser
+from jaxserve.server.tools.tags import ToolTags
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.protocol import ModelContext
 from jaxserve.server.responses import TokenStrings
@@ -128,7 +129,8 @@ class ServerState:
             reasoning, tools = self.config.parsers()
             self.model = ModelContext(self.config.served_model_names, core.engine_cfg.max_model_len,
                                       core.model_cfg.vocab_size, tokenizer, reasoning, tools,
-                                      self.config.enable_auto_tool_choice, core.lora_names)
+                                      ToolTags.of(tools.tags, tokenizer), self.config.enable_auto_tool_choice,
+                                      core.lora_names)
             self.strings = TokenStrings(lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
                                         tokenizer.convert_ids_to_tokens)
             self.load_seconds = time.monotonic() - start

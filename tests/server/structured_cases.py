@@ -34,25 +34,37 @@ def stream_chunks(server: LiveServer, path: str, body: dict) -> list[dict]:
     return events[:-1]
 
 
-def tool_stream(server: LiveServer, body: dict) -> tuple[list[dict], str | None, str]:
-    """(calls assembled from the deltas, finish_reason, content), checking OpenAI's delta order."""
-    calls: dict[int, dict] = {}
-    finish, content = None, ""
+def tool_streams(server: LiveServer, body: dict) -> list[tuple[list[dict], str | None, str]]:
+    """Per choice, in index order: (calls assembled from the deltas, finish_reason, content),
+    checking OpenAI's delta order."""
+    calls: dict[int, dict[int, dict]] = {}
+    finish: dict[int, str | None] = {}
+    content: dict[int, str] = {}
     for event in stream_chunks(server, "chat/completions", body):
         if not event["choices"]:
             continue
         choice = event["choices"][0]
+        i = choice["index"]
         delta = choice["delta"]
-        content += delta.get("content") or ""
+        content[i] = content.get(i, "") + (delta.get("content") or "")
+        mine = calls.setdefault(i, {})
         for d in delta.get("tool_calls") or []:
-            if d["index"] not in calls:  # the first delta of a call names it
+            if d["index"] not in mine:  # the first delta of a call names it
                 assert d["id"].startswith("call") and d["type"] == "function" and d["function"]["name"]
-                calls[d["index"]] = {"id": d["id"], "name": d["function"]["name"], "arguments": ""}
+                mine[d["index"]] = {"id": d["id"], "name": d["function"]["name"], "arguments": ""}
             else:
                 assert "id" not in d and "name" not in d.get("function", {})
-            calls[d["index"]]["arguments"] += d["function"].get("arguments") or ""
-        finish = choice.get("finish_reason") or finish
-    assert sorted(calls) == list(range(len(calls)))
-    return [calls[i] for i in sorted(calls)], finish, content
+            mine[d["index"]]["arguments"] += d["function"].get("arguments") or ""
+        finish[i] = choice.get("finish_reason") or finish.get(i)
+    assert sorted(content) == list(range(len(content)))
+    out = []
+    for i in sorted(content):
+        assert sorted(calls[i]) == list(range(len(calls[i])))
+        out.append(([calls[i][k] for k in sorted(calls[i])], finish[i], content[i]))
+    return out
 
 
+def tool_stream(server: LiveServer, body: dict) -> tuple[list[dict], str | None, str]:
+    """(calls assembled from the deltas, finish_reason, content) of a one-choice request."""
+    (only,) = tool_streams(server, body)
+    return only

@@ -1,10 +1,13 @@
 """Tool calling pieces: request validation, the parser registry, the Hermes format (parsing, streaming,
-forced-call grammars checked with llguidance on the real Qwen vocabulary)."""
+forced-call grammars checked with llguidance on the real Qwen vocabulary and on vocabularies that
+hold the tags as special tokens or not at all), and how the tags meet a vocabulary (tags.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +28,7 @@ from jaxserve.server.tools import (
     validate_tools,
 )
 from jaxserve.server.tools.base import arguments_schema
+from jaxserve.server.tools.tags import ToolTags
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
@@ -320,6 +324,19 @@ def test_streaming_commits_early_and_documents_the_difference():
     assert stream(list(early)) == (early, []) and parse(early) == (early, [])
 
 
+def test_parse_as_streamed_keeps_a_cut_call_a_call():
+    # What the server answers for a forced tool choice: exactly what the stream sends.
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    content, calls = HermesToolParser(TOOLS).parse_as_streamed(cut)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Par')]
+    whole = call("get_weather", '{"city": "Paris"}') + "\n" + call("get_time", "{}")
+    content, calls = HermesToolParser(TOOLS).parse_as_streamed(whole)
+    assert content is None and [(c.name, c.arguments) for c in calls] == parse(whole)[1]
+    p = HermesToolParser(TOOLS)
+    p.feed("<tool_call>")  # a parser mid-stream is left alone: a fresh one reads the text
+    assert p.parse_as_streamed("hi") == ("hi", [])
+
+
 def test_default_parse_of_the_base_class_assembles_the_stream():
     class Echo(ToolParser):
         name = "echo"
@@ -332,6 +349,46 @@ def test_default_parse_of_the_base_class_assembles_the_stream():
 
     content, calls = Echo([]).parse("hi")
     assert content == "hi" and calls == [ToolCall("call_x", "f", '{"a": 1}')]
+
+
+# ---------------------------------------------------------------- the tags in a vocabulary
+
+QWEN_TAGS = {"<tool_call>": 151657, "</tool_call>": 151658}
+EOS = [151645, 151643]
+
+
+@dataclasses.dataclass
+class Vocab:
+    name: str      # a checkpoint of tool_checkpoints.py
+    tok: Any       # its jaxserve Tokenizer
+    llg: Any       # llguidance's view of it
+    tags: ToolTags
+
+
+@pytest.fixture(scope="module", params=["tiny", "plain-special", "plain-no-tags"])
+def vocab(request, tmp_path_factory) -> Vocab:
+    llguidance_hf = pytest.importorskip("llguidance.hf")
+    from jaxserve.default_model import ensure_default_model
+    from jaxserve.tokenizer import Tokenizer
+    from tool_checkpoints import checkpoint
+
+    tok = Tokenizer.from_pretrained(checkpoint(request.param, ensure_default_model(), tmp_path_factory.mktemp("ckpt")))
+    tags = ToolTags.of(HermesToolParser.tags, tok)
+    return Vocab(request.param, tok, llguidance_hf.from_tokenizer(tok.hf, n_vocab=151936, eos_token=EOS), tags)
+
+
+def test_tool_tags_say_how_the_vocabulary_holds_the_tags(vocab):
+    expected = {"tiny": (QWEN_TAGS, set()), "plain-special": (QWEN_TAGS, set(QWEN_TAGS.values())),
+                "plain-no-tags": ({}, set())}[vocab.name]
+    assert (vocab.tags.tokens, set(vocab.tags.special_ids)) == expected
+    decoder = vocab.tags.decoder(vocab.tok)
+    assert (decoder is vocab.tok) == (vocab.name != "plain-special")  # wrapped only where needed
+    text = '<tool_call>\n{"name": "f"}\n</tool_call>'
+    ids = vocab.tok.encode(text, add_special_tokens=False) + [151645]  # then <|im_end|>, special everywhere
+    assert decoder.decode(ids) == text                                  # the tags survive, <|im_end|> does not
+    assert decoder.decode(ids, skip_special_tokens=False) == vocab.tok.decode(ids, skip_special_tokens=False)
+    if vocab.name == "plain-special":  # what the tokenizer alone does: the bug of issue 48
+        assert vocab.tok.decode(ids) == '\n{"name": "f"}\n'
 
 
 # ---------------------------------------------------------------- Hermes: forced-call grammar
@@ -362,30 +419,23 @@ FORCED_TOOLS = [
     {"type": "function", "function": {"name": "ping"}},
 ]
 NAMED = {"type": "function", "function": {"name": "tree"}}
-EOS = [151645, 151643]
 
 
-@pytest.fixture(scope="module")
-def qwen():
-    llguidance_hf = pytest.importorskip("llguidance.hf")
-    from jaxserve.default_model import ensure_default_model
-    from jaxserve.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_pretrained(ensure_default_model())
-    return tok, llguidance_hf.from_tokenizer(tok.hf, n_vocab=151936, eos_token=EOS)
+def grammar(vocab: Vocab, choice, parallel: bool) -> str:
+    return HermesToolParser.grammar(FORCED_TOOLS, choice, parallel, vocab.tags.tokens)
 
 
-def matcher(qwen, grammar: str):
+def matcher(vocab: Vocab, grammar: str):
     import llguidance
 
-    m = llguidance.LLMatcher(qwen[1], llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    m = llguidance.LLMatcher(vocab.llg, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
     assert not m.is_error(), m.get_error()
     return m
 
 
-def accepts(qwen, grammar: str, text: str) -> bool:
-    m = matcher(qwen, grammar)
-    ok = m.consume_tokens(qwen[0].encode(text, add_special_tokens=False))
+def accepts(vocab: Vocab, grammar: str, text: str) -> bool:
+    m = matcher(vocab, grammar)
+    ok = m.consume_tokens(vocab.tok.encode(text, add_special_tokens=False))
     return ok and m.is_accepting()
 
 
@@ -400,37 +450,39 @@ def test_arguments_schema_rebases_local_references():
 
 
 def test_grammar_shape():
-    g = HermesToolParser.grammar(FORCED_TOOLS, "required", parallel_tool_calls=True)
+    g = HermesToolParser.grammar(FORCED_TOOLS, "required", True, QWEN_TAGS)
     lines = g.splitlines()
-    assert lines[:3] == ['start: call ("\\n" call)*', 'call: <tool_call> "\\n" body "\\n" </tool_call>',
-                         lines[2]]
+    # The tags are the added tokens, by id, where the vocabulary has them; else their text.
+    assert lines[:3] == ['start: call ("\\n" call)*', 'call: <[151657]> "\\n" body "\\n" <[151658]>', lines[2]]
+    assert HermesToolParser.grammar(FORCED_TOOLS, "required", True, {}).splitlines()[1] == \
+        'call: "<tool_call>" "\\n" body "\\n" "</tool_call>"'
     body = json.loads(lines[2].removeprefix("body: %json "))
     assert body["x-guidance"] == {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     assert [a["properties"]["name"] for a in body["anyOf"]] == [{"const": "forecast"}, {"const": "tree"},
                                                                 {"const": "ping"}]
-    one = HermesToolParser.grammar(FORCED_TOOLS, NAMED, parallel_tool_calls=False)
+    one = HermesToolParser.grammar(FORCED_TOOLS, NAMED, False, QWEN_TAGS)
     assert one.splitlines()[0] == "start: call"
     assert [a["properties"]["name"] for a in json.loads(one.splitlines()[2][12:])["anyOf"]] == [{"const": "tree"}]
     for choice in ("auto", "none", {"type": "function", "function": {"name": "nope"}}):
         with pytest.raises(ValueError):
-            HermesToolParser.grammar(FORCED_TOOLS, choice, True)
+            HermesToolParser.grammar(FORCED_TOOLS, choice, True, QWEN_TAGS)
     with pytest.raises(ValueError, match="needs at least one tool"):
-        HermesToolParser.grammar([], "required", True)
+        HermesToolParser.grammar([], "required", True, QWEN_TAGS)
 
 
-def test_grammar_accepts_calls_and_rejects_everything_else(qwen):
-    required = HermesToolParser.grammar(FORCED_TOOLS, "required", parallel_tool_calls=False)
-    parallel = HermesToolParser.grammar(FORCED_TOOLS, "required", parallel_tool_calls=True)
-    named = HermesToolParser.grammar(FORCED_TOOLS, NAMED, parallel_tool_calls=True)
+def test_grammar_accepts_calls_and_rejects_everything_else(vocab):
+    required = grammar(vocab, "required", False)
+    parallel = grammar(vocab, "required", True)
+    named = grammar(vocab, NAMED, True)
     fc = call("forecast", '{"city": "Paris", "unit": "C"}')
     tree = call("tree", '{"left": {"v": 1}, "right": {"v": 22}}')
     ping = call("ping", "{}")
     for text in (fc, tree, ping):
-        assert accepts(qwen, required, text) and accepts(qwen, parallel, text)
-    assert accepts(qwen, parallel, fc + "\n" + tree + "\n" + ping)
-    assert not accepts(qwen, required, fc + "\n" + ping)                    # one call only
-    assert accepts(qwen, named, tree) and accepts(qwen, named, tree + "\n" + tree)
-    assert not accepts(qwen, named, fc)                                      # only the named function
+        assert accepts(vocab, required, text) and accepts(vocab, parallel, text)
+    assert accepts(vocab, parallel, fc + "\n" + tree + "\n" + ping)
+    assert not accepts(vocab, required, fc + "\n" + ping)                   # one call only
+    assert accepts(vocab, named, tree) and accepts(vocab, named, tree + "\n" + tree)
+    assert not accepts(vocab, named, fc)                                     # only the named function
     for bad in ("Sure! " + fc,                                               # no content
                 fc.replace('"unit": "C"', '"unit": "K"'),                    # schema enforced
                 fc.replace('"C"}', '"C", "x": 1}'),                          # no extra keys
@@ -438,11 +490,14 @@ def test_grammar_accepts_calls_and_rejects_everything_else(qwen):
                 fc.replace("\n{", "\n {"),
                 '<tool_call>\n{"name": "ping"}\n</tool_call>',               # arguments required
                 call("other", "{}")):
-        assert not accepts(qwen, parallel, bad), bad
-    # The tags are the added tokens, as Qwen writes them.
-    m = matcher(qwen, required)
-    assert m.consume_tokens([151657]) and not matcher(qwen, required).consume_tokens(
-        qwen[0].encode("<", add_special_tokens=False))
+        assert not accepts(vocab, parallel, bad), bad
+    # The tags are the added tokens where there are some, as a model trained on the format writes
+    # them; else text.
+    starts_with_text = matcher(vocab, required).consume_tokens(vocab.tok.encode("<", add_special_tokens=False))
+    if vocab.tags.tokens:
+        assert matcher(vocab, required).consume_tokens([151657]) and not starts_with_text
+    else:
+        assert starts_with_text
 
 
 def assert_compact(json_text: str) -> None:
@@ -451,33 +506,33 @@ def assert_compact(json_text: str) -> None:
     assert not re.search(r"\s", outside_strings.replace(", ", ",").replace(": ", ":")), json_text
 
 
-def random_walk(qwen, grammar: str, seed: int, max_tokens: int = 400) -> tuple[str, list[int]]:
-    """Sample uniformly among the tokens the grammar allows until it stops."""
-    tok, _ = qwen
-    m = matcher(qwen, grammar)
+def random_walk(vocab: Vocab, grammar: str, seed: int, max_tokens: int = 400) -> tuple[str, list[int]]:
+    """Sample uniformly among the tokens the grammar allows until it stops; decode as the server
+    decodes a request whose output a tool parser reads."""
+    m = matcher(vocab, grammar)
     rng = np.random.default_rng(seed)
     ids: list[int] = []
     while not m.is_stopped():
-        assert len(ids) < max_tokens, tok.decode(ids, skip_special_tokens=False)
+        assert len(ids) < max_tokens, vocab.tok.decode(ids, skip_special_tokens=False)
         bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
         allowed = np.flatnonzero(bits[:151936])
         assert allowed.size, m.get_error()
         token = int(rng.choice(allowed))
         assert m.consume_token(token), m.get_error()
         ids.append(token)
-    return tok.decode(ids, skip_special_tokens=True), ids
+    return vocab.tags.decoder(vocab.tok).decode(ids, skip_special_tokens=True), ids
 
 
 @pytest.mark.parametrize("choice, parallel", [("required", True), ("required", False), (NAMED, True)])
-def test_random_walks_through_the_grammar_parse_to_valid_calls(qwen, choice, parallel):
+def test_random_walks_through_the_grammar_parse_to_valid_calls(vocab, choice, parallel):
     jsonschema = pytest.importorskip("jsonschema")
-    grammar = HermesToolParser.grammar(FORCED_TOOLS, choice, parallel)
+    g = grammar(vocab, choice, parallel)
     schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object", "maxProperties": 0})
                for t in FORCED_TOOLS}
     seen: set[str] = set()
     counts = set()
     for seed in range(12):
-        text, _ = random_walk(qwen, grammar, seed)
+        text, _ = random_walk(vocab, g, seed)
         content, calls = HermesToolParser(FORCED_TOOLS).parse(text)
         assert content is None and calls, text
         assert parallel or len(calls) == 1
@@ -496,14 +551,14 @@ def test_random_walks_through_the_grammar_parse_to_valid_calls(qwen, choice, par
         assert max(counts) > 1
 
 
-def test_random_walk_text_streams_token_by_token_like_parse(qwen):
-    grammar = HermesToolParser.grammar(FORCED_TOOLS, "required", True)
-    tok, _ = qwen
+def test_random_walk_text_streams_token_by_token_like_parse(vocab):
+    g = grammar(vocab, "required", True)
+    decoder = vocab.tags.decoder(vocab.tok)
     for seed in range(4):
-        text, ids = random_walk(qwen, grammar, 100 + seed)
+        text, ids = random_walk(vocab, g, 100 + seed)
         pieces, prev = [], ""
         for n in range(1, len(ids) + 1):  # incremental detokenization, as the server streams
-            now = tok.decode(ids[:n], skip_special_tokens=True)
+            now = decoder.decode(ids[:n], skip_special_tokens=True)
             if now.endswith("\ufffd") and n < len(ids):
                 continue  # an incomplete UTF-8 character: wait for the rest
             pieces.append(now[len(prev):])

@@ -3,13 +3,19 @@
 A `ToolParser` turns model text into OpenAI tool calls, in one piece (`parse`) or while streaming
 (`feed` ... `finish`), and builds the grammar that forces a model to call tools in its format
 (`grammar`). One parser instance serves one choice of one request: streaming state lives on it.
+
+A forced call's grammar and its parser must agree on the text: the grammar writes each of the
+format's `tags` as the token the vocabulary holds for it, or as text where it holds none (tags.py),
+and the server decodes such requests so that tag tokens survive skip_special_tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 import string
+from collections.abc import Mapping
 from typing import Any
 
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -40,7 +46,8 @@ class ToolCallDelta:
 
 
 class ToolParser:
-    """Base of the per-format parsers; subclasses implement `feed`, `finish` and `grammar`.
+    """Base of the per-format parsers; subclasses implement `feed`, `finish` and `grammar`, and
+    name their format's `tags`.
 
     Streaming contract: for each call, the first delta carries index, id and name; the ones after
     carry argument fragments. The fragments of a call concatenate to the `arguments` that `parse`
@@ -49,6 +56,7 @@ class ToolParser:
     """
 
     name: str = ""
+    tags: tuple[str, ...] = ()  # the strings that delimit calls in this format (tags.py)
 
     def __init__(self, tools: list[dict]) -> None:
         self.tools = tools  # validated by validate_tools (OpenAI shape)
@@ -68,16 +76,35 @@ class ToolParser:
         non-streamed answer is stricter than streaming can be (e.g. a malformed block becomes
         content) override this.
         """
-        content, deltas = self.feed(text)
-        tail, more = self.finish()
+        return self.parse_as_streamed(text)
+
+    def parse_as_streamed(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """What a stream of `text` reassembles to: feed + finish on a fresh parser.
+
+        For a forced tool choice the server answers with this rather than `parse`: the output is
+        known to be calls, so a call cut off by max_tokens stays the call that streaming sent
+        (its arguments as far as they were written), never raw text in `content`."""
+        fresh = type(self)(self.tools)
+        content, deltas = fresh.feed(text)
+        tail, more = fresh.finish()
         return (content + tail) or None, assemble_calls(deltas + more)
 
     @classmethod
-    def grammar(cls, tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool) -> str:
+    def grammar(cls, tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool,
+                tag_tokens: Mapping[str, int]) -> str:
         """An llguidance Lark grammar whose every sentence is tool calls in this format:
         tool_choice "required" -> calls of any of `tools`; {"type": "function", "function":
-        {"name": N}} -> calls of N only. One call, or one or more when parallel_tool_calls."""
+        {"name": N}} -> calls of N only. One call, or one or more when parallel_tool_calls.
+        `tag_tokens`: the tags the vocabulary holds as one added token, with their ids
+        (ToolTags.tokens); write tags with `lark_tag` so the model writes what the parser reads."""
         raise NotImplementedError
+
+
+def lark_tag(tag: str, tag_tokens: Mapping[str, int]) -> str:
+    """A tag in a Lark grammar: the added token, by id, where the vocabulary has one (llguidance
+    holds added tokens apart from text: the quoted text would never match the token a model
+    trained on the format writes), else the quoted text, spelled in ordinary tokens."""
+    return f"<[{tag_tokens[tag]}]>" if tag in tag_tokens else json.dumps(tag)
 
 
 def assemble_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:

@@ -6,9 +6,11 @@ Each call is a block
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-possibly several (parallel calls), possibly after some text. In the Qwen vocabulary `<tool_call>`
-and `</tool_call>` are added tokens that are not special, so decoding with skip_special_tokens
-keeps them: this parser reads text, never token ids.
+possibly several (parallel calls), possibly after some text. This parser reads text, never token
+ids: in the Qwen2.5/Qwen3 vocabulary `<tool_call>` and `</tool_call>` are added tokens that are not
+special, so decoding keeps them; where a tokenizer marks them special, the server decodes the
+requests this parser reads so that they survive anyway, and where a vocabulary has no such tokens
+the tags are plain text (tags.py).
 
 Rules, the same streamed and in one piece unless noted:
 - Text outside blocks is content; whitespace right before or after a call's block is dropped
@@ -32,6 +34,7 @@ point streaming and `parse` decide identically, for every way the text is cut in
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from jaxserve.server.tools.base import (
     JSON_COMPILE_OPTIONS,
@@ -41,6 +44,7 @@ from jaxserve.server.tools.base import (
     arguments_schema,
     assemble_calls,
     forced_tool_names,
+    lark_tag,
     new_tool_call_id,
 )
 
@@ -51,6 +55,7 @@ _WHITESPACE = " \t\n\r"
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    tags = (OPEN_TAG, CLOSE_TAG)
 
     def __init__(self, tools: list[dict], *, stream_calls: bool = True) -> None:
         super().__init__(tools)
@@ -189,7 +194,8 @@ class HermesToolParser(ToolParser):
     # ------------------------------------------------------------ forced calls
 
     @classmethod
-    def grammar(cls, tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool) -> str:
+    def grammar(cls, tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool,
+                tag_tokens: Mapping[str, int]) -> str:
         names = forced_tool_names(tools, tool_choice)
         functions = {t["function"]["name"]: t["function"] for t in tools}
         alternatives = []
@@ -204,11 +210,9 @@ class HermesToolParser(ToolParser):
                 "additionalProperties": False,
             })
         body = {"x-guidance": JSON_COMPILE_OPTIONS, "anyOf": alternatives}
-        # <tool_call> is the added token, not the text: llguidance holds added tokens apart from
-        # text, so a quoted "<tool_call>" would never match the token a Hermes model writes.
         return "\n".join([
             'start: call ("\\n" call)*' if parallel_tool_calls else "start: call",
-            'call: <tool_call> "\\n" body "\\n" </tool_call>',
+            f'call: {lark_tag(OPEN_TAG, tag_tokens)} "\\n" body "\\n" {lark_tag(CLOSE_TAG, tag_tokens)}',
             "body: %json " + json.dumps(body),
         ])
 
