@@ -12,22 +12,32 @@ from jax.sharding import Mesh
 from checkpoints import orbax_io
 from checkpoints.hf import load_weights, resolve_model_dir, tensor_names
 from checkpoints.quantized import quantized_marker_part
+from checkpoints.random_init import random_weights
 from jaxserve import sharding
-from jaxserve.config import ModelConfig
+from jaxserve.config import LOAD_FORMATS, ModelConfig
 from jaxserve.model.weights import Weights
 from jaxserve.quant.scheme import online_scheme
 
 
 def load_model(name_or_path: str | Path, mesh: Mesh, dtype: Any = jnp.float32,
                quantization: str | None = None,
-               rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[ModelConfig, Weights]:
+               rules: sharding.Rules = sharding.DEFAULT_RULES,
+               load_format: str = "auto") -> tuple[ModelConfig, Weights]:
     """Config and sharded weights from a HF directory, a cached hub id, or a converted directory.
 
     quantization: an online scheme ("int8", "int4", "fp8") applied while the tensors load; a
     converted directory keeps the scheme it was converted with. rules: the logical-axis rules
-    the weights are placed by (layouts.RULE_SETS; default: tensor parallelism)."""
+    the weights are placed by (layouts.RULE_SETS; default: tensor parallelism). load_format:
+    "auto" reads the weights; "dummy" draws random ones on the devices from config.json alone
+    (random_init.py: benchmarks at a model's shape without its checkpoint)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     model_dir = resolve_model_dir(name_or_path)
     cfg = ModelConfig.from_hf(model_dir)
+    if load_format == "dummy":
+        if quantization is not None:
+            cfg = dataclasses.replace(cfg, quantization=online_scheme(quantization))
+        return cfg, random_weights(cfg, mesh, dtype, rules)
     if orbax_io.is_converted(model_dir):
         saved = orbax_io.saved_quantization(model_dir)
         if quantization is not None and (saved is None or saved.method != quantization):
@@ -47,4 +57,4 @@ def load_model(name_or_path: str | Path, mesh: Mesh, dtype: Any = jnp.float32,
     return cfg, load_weights(model_dir, cfg, mesh, dtype, rules)
 
 
-__all__ = ["load_model", "load_weights", "resolve_model_dir", "orbax_io"]
+__all__ = ["LOAD_FORMATS", "load_model", "load_weights", "random_weights", "resolve_model_dir", "orbax_io"]

@@ -12,6 +12,7 @@ import os
 import re
 import sys
 
+from jaxserve.config import LOAD_FORMATS
 from jaxserve.multihost import DEFAULT_STALL_TIMEOUT
 from jaxserve.quant.kv import KV_CACHE_DTYPES
 
@@ -102,6 +103,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, else the checkpoint's), float32, "
                    "bfloat16, float16")
     _quantization_arg(g)
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto", help="auto: read the checkpoint's "
+                   "weights; dummy: random weights drawn on the devices from config.json alone (benchmarks at a "
+                   "model's shape without its weights: only config.json and the tokenizer are read)")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="waiting order: arrival, or the request's priority (lower first) then arrival")
     g.add_argument("--attention-backend", choices=("auto", "reference", "tiled", "cpu", "tpu", "gpu"), default="auto",
@@ -184,7 +188,8 @@ def _engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  
     return EngineConfig(
         model_id=model_id, **_size_fields(args), enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
-        dtype=None if args.dtype == "auto" else args.dtype, quantization=args.quantization, mesh_shape=mesh, layout=args.layout,
+        dtype=None if args.dtype == "auto" else args.dtype, quantization=args.quantization, load_format=args.load_format,
+        mesh_shape=mesh, layout=args.layout,
         kv_offload_gib=args.kv_offload_gib, kv_role=args.kv_role,
         attention_backend=args.attention_backend, compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,
         seed=args.seed, speculative_config=args.speculative_config, enable_lora=args.enable_lora,

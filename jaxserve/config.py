@@ -273,6 +273,9 @@ def _parse_hf(cfg: dict) -> ModelConfig:
     )
 
 
+LOAD_FORMATS = ("auto", "dummy")  # read the checkpoint; random weights drawn on the devices (checkpoints/random_init.py)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model: KV pool, per-step budgets, declared buckets, mesh.
@@ -292,6 +295,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"          # "fcfs" | "priority"
     dtype: str | None = None                 # None: float32 on CPU, the checkpoint's dtype elsewhere
     quantization: str | None = None          # online weight quantization: "int8" | "int4" | "fp8" (quant/scheme.py)
+    load_format: str = "auto"                # "auto": read the checkpoint; "dummy": random weights drawn on the devices
     kv_cache_dtype: str = "auto"             # KV pages: "auto" (compute dtype) | "int8" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
     kv_offload_gib: float | None = None      # host-memory KV tier (GiB): evicted cached pages kept there (page_allocator.py)
     kv_role: str | None = None               # PD disaggregation: "prefill" (exports pages) | "decode" (imports them)
@@ -332,6 +336,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if self.kv_offload_gib is not None and not self.kv_offload_gib > 0:
             raise ValueError(f"--kv-offload-gib must be > 0, got {self.kv_offload_gib}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.kv_role not in (None, "prefill", "decode"):
             raise ValueError(f"--kv-role must be prefill or decode, got {self.kv_role!r}")
         if self.kv_role is not None and not self.enable_prefix_caching:

@@ -36,6 +36,7 @@ from typing import Any, AsyncIterator, Callable
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxserve.buckets import choose_bucket
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.model.weights import Weights
 from jaxserve.model_runner import ModelRunner
@@ -62,6 +63,29 @@ class StepTimings:
     device: float = 0.0
     update: float = 0.0
     steps: int = 0
+    # Steps that only decode (one token per sequence, no drafts), by their sequence bucket S:
+    # S -> DecodeSteps. A step's seconds run from its dispatch, or from the previous step's
+    # completion when it was dispatched before that (async scheduling), to its own completion: the
+    # interval a busy engine spends per step, which is the decode step time users see.
+    decode: dict[int, "DecodeSteps"] = dataclasses.field(default_factory=dict)
+
+    def record_decode(self, bucket: int, seconds: float, rows: int, context: int) -> None:
+        entry = self.decode.setdefault(bucket, DecodeSteps())
+        entry.steps += 1
+        entry.seconds += seconds
+        entry.rows += rows
+        entry.context_tokens += context
+
+
+@dataclasses.dataclass
+class DecodeSteps:
+    """Sums over the decode-only steps of one sequence bucket: the mean step time is seconds / steps,
+    at rows / steps sequences holding context_tokens / steps tokens of KV in all."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    rows: int = 0
+    context_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -70,6 +94,7 @@ class _InFlight:
 
     plan: StepPlan
     out: SamplerOutput   # device arrays; their copy to the host is already started
+    dispatched: float    # perf_counter() when its forward was launched
 
 
 class EngineCore:
@@ -95,6 +120,7 @@ class EngineCore:
         self.scheduler.swap_costs = self.runner.swap_costs
         self._rng = random.Random(engine_cfg.seed)
         self.timings = StepTimings()
+        self._dispatched = self._completed = 0.0  # perf_counter() of the last forward launch / step completion
         self.num_prefill_tokens = 0   # prompt tokens computed (prefix-cache hits excluded)
         self.num_generated_tokens = 0  # tokens emitted (a token sampled after its sequence stopped is not)
         self.num_sync_steps = 0        # async scheduling: steps finished before planning the next (penalties,
@@ -339,7 +365,7 @@ class EngineCore:
         return self._dispatch_sample(plan, *self._dispatch_forward(plan, prev_plan))
 
     def _dispatch_forward(self, plan: StepPlan, prev_plan: StepPlan | None) -> tuple[StepInputs, Any]:
-        t0 = time.perf_counter()
+        t0 = self._dispatched = time.perf_counter()
         for slot, name in plan.lora_loads:  # an adapter's first step: into its slot first (device order)
             self.runner.load_lora(slot, name)
         inputs = self.runner.builder.build(plan, prev_plan)
@@ -361,7 +387,7 @@ class EngineCore:
         out = self.runner.sample(logits, inputs, bitmask)
         self.timings.mask += t1 - t0
         self.timings.device += time.perf_counter() - t1
-        return _InFlight(plan, out)
+        return _InFlight(plan, out, self._dispatched)
 
     def _complete(self, step: _InFlight) -> list[TokenEvent]:
         """Waits for the step's sampled ids and applies them to the scheduler."""
@@ -373,6 +399,12 @@ class EngineCore:
         tm.device += t1 - t0
         tm.update += time.perf_counter() - t1
         tm.steps += 1
+        plan = step.plan
+        if plan.chunks and plan.num_tokens == len(plan.chunks) and not plan.has_drafts:
+            bucket = choose_bucket(self.runner.builder.buckets, plan.num_tokens, len(plan.chunks))[1]
+            tm.record_decode(bucket, t1 - max(step.dispatched, self._completed), len(plan.chunks),
+                             sum(c.start_pos + 1 for c in plan.chunks))
+        self._completed = t1
         self.num_generated_tokens += sum(1 for e in events if e.token_id is not None)
         if self._spec_logged is not None and time.monotonic() - self._spec_logged[0] >= SPEC_LOG_INTERVAL:
             self._log_spec()

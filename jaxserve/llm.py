@@ -81,7 +81,8 @@ def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
     dtype = resolve_dtype(engine_cfg.dtype, ModelConfig.from_hf(model_dir).dtype)
     mesh = make_mesh(*engine_cfg.mesh_shape)
     model_cfg, weights = load_model(model_dir, mesh, dtype, engine_cfg.quantization,
-                                    layout_rules(engine_cfg.layout, ModelConfig.from_hf(model_dir)))
+                                    layout_rules(engine_cfg.layout, ModelConfig.from_hf(model_dir)),
+                                    engine_cfg.load_format)
     # The KV pool is filled asynchronously on the device: the tokenizer loads meanwhile.
     core = EngineCore(model_cfg, weights, engine_cfg, mesh, dtype)
     tokenizer = tokenizer or Tokenizer.from_pretrained(model_dir)

@@ -16,6 +16,7 @@ Step inputs arrive packed in one int32 buffer (packing.py): one transfer per pro
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import jax
@@ -125,11 +126,14 @@ def lower_program(program: Program, model_cfg: ModelConfig, engine_cfg: EngineCo
     there (model/attention.make_attention) and the same `rules`. The sampler's logits come
     vocab-split as the forward leaves them. aux_layers: a forward that also returns an EAGLE-3
     head's input states."""
-    if model_cfg.moe is None:
-        return _lower(program, model_cfg, engine_cfg, mesh, dtype, attention_fn, rules, aux_layers)
-    from jaxserve.model.moe import compile_scope
+    # The mesh's devices as the default one while lowering: jax 0.11's Pallas Triton lowering reads
+    # the GPU it compiles for off the default device (a CPU one in a process that compiles for a
+    # compile-only GPU target).
+    with jax.default_device(mesh.devices.flat[0]), contextlib.ExitStack() as scope:
+        if model_cfg.moe is not None:
+            from jaxserve.model.moe import compile_scope
 
-    with compile_scope(mesh):  # the experts' kernels for the target's devices
+            scope.enter_context(compile_scope(mesh))  # the experts' kernels for the target's devices
         return _lower(program, model_cfg, engine_cfg, mesh, dtype, attention_fn, rules, aux_layers)
 
 

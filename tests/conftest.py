@@ -12,9 +12,18 @@ from pathlib import Path
 # models are too small for code speed to matter (a softmax over [64, 151,936]: 68 ms at XLA's own
 # flags, 138 ms at these), except to structured/test_validity, which generates its samples in a
 # child process at XLA's own flags. No fast math at either level.
-# Compile-only TPU targets ignore both flags; subprocesses inherit them.
+# Compile-only TPU targets ignore both flags; subprocesses inherit them. jaxlib 0.11's XLA no longer
+# has the emitter flag (an unknown flag aborts the process): there the MLIR emitters stay.
+
+
+def _jaxlib_before(major: int, minor: int) -> bool:
+    from importlib.metadata import version  # jax itself must not be imported before XLA_FLAGS is set
+
+    return tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (major, minor)
+
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-                      " --xla_cpu_use_fusion_emitters=false")
+                      + (" --xla_cpu_use_fusion_emitters=false" if _jaxlib_before(0, 11) else ""))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+import time
 
 import pytest
 
@@ -147,3 +148,21 @@ def test_abort_frees_pages_at_the_next_step(make):
     assert [(e.request_id, e.finish_reason) for e in events] == [("long", FinishReason.ABORT)]
     assert not core.has_work()
     _assert_idle(core)
+
+
+def test_decode_step_clock_counts_only_decode_steps_by_their_sequence_bucket(make):
+    core = make()
+    start = time.perf_counter()
+    run_all(core, [Request(f"d{i}", list(range(1, 30 + i)), greedy(12)) for i in range(3)])
+    wall = time.perf_counter() - start
+    decode = core.timings.decode
+    buckets = {s for _, s in core.runner.builder.buckets}
+    assert decode and set(decode) <= buckets
+    # 3 sequences decode 11 tokens each after their prefill step: at least 10 decode-only steps of 3 rows
+    # (bucket 4), none of the prefill steps (30+ tokens) counted
+    steps = sum(d.steps for d in decode.values())
+    assert steps >= 10 and steps < core.timings.steps
+    assert 0 < sum(d.seconds for d in decode.values()) < wall
+    # every counted step had 3 (or, as requests finish together, fewer) rows, each reading its whole context
+    assert all(d.rows <= 3 * d.steps for d in decode.values())
+    assert all(d.context_tokens > 30 * d.rows for d in decode.values())

@@ -1,6 +1,8 @@
 """Quantize and dequantize on the host (numpy), one tensor at a time, while a checkpoint loads.
 
 Weights are quantized before they are placed, so a device never holds the full-precision tensor.
+`quantize` also runs on the device (xp=jax.numpy) for random weights drawn there
+(checkpoints/random_init.py): one rule for both.
 A scale covers a tile of the values (`tile = values.shape // scale.shape` per axis); symmetric
 absmax: scale = max|w| over the tile / the type's largest value (int8 127, int4 7, fp8 e4m3 448),
 q = round-to-nearest-even(w / scale), clipped to the type's range.
@@ -26,10 +28,10 @@ def _tile_axes(ndim: int) -> tuple[int, ...]:
     return tuple(range(1, 2 * ndim, 2))
 
 
-def broadcast_scale(s: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """A per-tile array expanded to the values' shape."""
+def broadcast_scale(s: np.ndarray, shape: tuple[int, ...], xp: Any = np) -> np.ndarray:
+    """A per-tile array expanded to the values' shape (xp: numpy, or jax.numpy inside a jit)."""
     for axis, n in enumerate(shape):
-        s = np.repeat(s, n // s.shape[axis], axis=axis)
+        s = xp.repeat(s, n // s.shape[axis], axis=axis)
     return s
 
 
@@ -40,20 +42,21 @@ def qmax(dtype: Any) -> float:
     return float(ml_dtypes.finfo(dtype).max)
 
 
-def quantize(w: np.ndarray, qdtype: Any, scale_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric absmax quantization of w with one scale per tile -> (values [w.shape], scale [scale_shape]) float32."""
-    w = np.asarray(w, np.float32)
+def quantize(w: np.ndarray, qdtype: Any, scale_shape: tuple[int, ...], xp: Any = np) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric absmax quantization of w with one scale per tile -> (values [w.shape], scale [scale_shape]) float32.
+    xp: numpy (the host), or jax.numpy inside a jit (the device)."""
+    w = xp.asarray(w, np.float32)
     if any(n % s for n, s in zip(w.shape, scale_shape)) or len(scale_shape) != w.ndim:
         raise ValueError(f"scale shape {scale_shape} does not tile weight shape {w.shape}")
     top = qmax(qdtype)
-    absmax = np.abs(_tiled(w, scale_shape)).max(axis=_tile_axes(w.ndim))
-    scale = np.where(absmax > 0, absmax / top, 1.0).astype(np.float32)
-    scaled = w / broadcast_scale(scale, w.shape)
+    absmax = xp.abs(_tiled(w, scale_shape)).max(axis=_tile_axes(w.ndim))
+    scale = xp.where(absmax > 0, absmax / top, 1.0).astype(np.float32)
+    scaled = w / broadcast_scale(scale, w.shape, xp)
     qdtype = np.dtype(qdtype)
     if np.issubdtype(qdtype, np.integer) or qdtype == np.dtype(ml_dtypes.int4):
-        scaled = np.clip(np.rint(scaled), -top, top)
+        scaled = xp.clip(xp.rint(scaled), -top, top)
     else:
-        scaled = np.clip(scaled, -top, top)
+        scaled = xp.clip(scaled, -top, top)
     return scaled.astype(qdtype), scale
 
 

@@ -13,7 +13,7 @@ import time
 from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger("jaxserve.server")
@@ -181,6 +181,7 @@ class _EngineCollector(Collector):
             counter("compilations_after_warmup", "XLA compilations after warm-up (should stay 0).",
                     core.runner.compilations_after_warmup),
             self._cache_config(core),
+            *self._decode_steps(core),
             *self._host_tier(s, gauge, counter),
             *([counter("kv_exported_pages", "KV pages sent to decode instances (--kv-role prefill).",
                        core.num_exported_pages),
@@ -190,6 +191,25 @@ class _EngineCollector(Collector):
             *self._lora(core, s),
             *(self._vllm(core, s, usage) if self.vllm_names else ()),
         ]
+
+    def _decode_steps(self, core: Any) -> list[Metric]:
+        """Decode-only steps by sequence bucket (engine.StepTimings.decode): sum / count of
+        decode_step_seconds is the decode step time at that batch size; the two counters, divided by
+        the count, give the sequences and the KV tokens those steps read on average."""
+        labels = ["model_name", "rows"]
+        summary = SummaryMetricFamily("jaxserve:decode_step_seconds", "Seconds per step of steps that only "
+                                      "decode (one token per sequence), by the step's sequence bucket.", labels=labels)
+        rows = CounterMetricFamily("jaxserve:decode_step_sequences", "Sequences in the decode-only steps, summed "
+                                   "over the steps, by sequence bucket.", labels=labels)
+        context = CounterMetricFamily("jaxserve:decode_step_context_tokens", "Tokens of context (KV read) of the "
+                                      "decode-only steps' sequences, summed over the steps, by sequence bucket.",
+                                      labels=labels)
+        for bucket, d in sorted(dict(core.timings.decode).items()):
+            key = [self.model_name, str(bucket)]
+            summary.add_metric(key, d.steps, d.seconds)
+            rows.add_metric(key, d.rows)
+            context.add_metric(key, d.context_tokens)
+        return [summary, rows, context]
 
     @staticmethod
     def _host_tier(s: Any, gauge: Any, counter: Any) -> list[Metric]:

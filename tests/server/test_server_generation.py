@@ -220,7 +220,8 @@ def test_stream_is_not_buffered(live):
     assert arrivals[-1] - arrivals[0] > 0.5 * (total - arrivals[0])  # chunks spread over the generation
 
 
-def test_models_health_and_metrics_endpoints(live):
+def test_models_health_and_metrics_endpoints(live, client):
+    greedy_completion(client, PROMPT, 8)  # decode steps for the step clock
     models = httpx.get(f"{live.url}/v1/models").json()
     assert models["object"] == "list"
     (m,) = models["data"]
@@ -237,6 +238,14 @@ def test_models_health_and_metrics_endpoints(live):
     assert metrics["jaxserve:time_to_first_token_seconds_count"] > 0
     assert metrics["jaxserve:request_queue_time_seconds_count"] > 0
     assert metrics["jaxserve:compilations_after_warmup_total"] == 0
+    decode = {k: v for k, v in metrics.items() if k.startswith("jaxserve:decode_step_seconds_count{rows=")}
+    assert decode and sum(decode.values()) > 0
+    for key, count in decode.items():
+        bucket = key[key.index("{"):]
+        assert metrics[f"jaxserve:decode_step_seconds_sum{bucket}"] > 0 or count == 0
+        assert count <= metrics[f"jaxserve:decode_step_sequences_total{bucket}"] <= count * int(bucket[6:-1])
+        assert metrics[f"jaxserve:decode_step_context_tokens_total{bucket}"] >= metrics[
+            f"jaxserve:decode_step_sequences_total{bucket}"]
     assert not [k for k in metrics if k.startswith("vllm:")]  # vLLM's names only with --vllm-metric-names
     (info,) = [k for k in metrics if k.startswith("jaxserve:cache_config_info{")]
     labels = dict(kv.split("=") for kv in info[info.index("{") + 1:-1].split(","))
