@@ -57,6 +57,14 @@ def compile_scope(mesh: Any) -> Iterator[None]:
         _TARGET_PLATFORM.reset(token)
 
 
+# tokamax's implementation on a GPU: its Triton kernel under the jax it is built for (0.10; tests/
+# test_target_compile.py compiles it for H100s), XLA's ragged_dot under jax 0.11, where neither of
+# tokamax 0.0.12's GPU kernels lowers (Mosaic GPU: a TypeError in its mesh; Triton: pl.dot is gone)
+# and the tokamax releases for jax 0.11 import xprof and its dependencies (~40 MB: not carried to
+# the device machine, docs/BENCHMARKS.md "Device check"). Not tokamax's own first choice on NVIDIA
+# (Mosaic GPU) under jax 0.10 either: its failure there is a TypeError too, which tokamax does not
+# take as "try the next one".
+GPU_IMPLEMENTATIONS = ("triton",) if jax.__version_info__ < (0, 11) else ("xla",)
 # Up to this many rows (decode-sized steps), the CPU multiplies only the groups that have rows.
 SKIP_EMPTY_MAX_ROWS = 64
 
@@ -64,7 +72,7 @@ SKIP_EMPTY_MAX_ROWS = 64
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """lhs [M, K] rows grouped contiguously by group_sizes [G]; rhs [G, K, N] -> [M, N].
 
-    On TPU and GPU: tokamax's ragged_dot kernels (Mosaic, Triton), which skip empty groups; 16-bit
+    On TPU and GPU: tokamax's ragged_dot kernels (Mosaic TPU, Triton), which skip empty groups; 16-bit
     operands multiply at the default precision whatever jax_default_matmul_precision says (their
     products are exact in the float32 accumulator; Mosaic rejects a float32 contract for them).
     On a CPU tokamax would run XLA's `jax.lax.ragged_dot`, which reads every group's weights:
@@ -77,7 +85,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> ja
             return _nonempty_groups(lhs, rhs, group_sizes)
         return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
     precision = jax.lax.Precision.DEFAULT if lhs.dtype.itemsize == 2 else None
-    return _tokamax().ragged_dot(lhs, rhs, group_sizes, precision=precision, preferred_element_type=lhs.dtype)
+    return _tokamax().ragged_dot(lhs, rhs, group_sizes, precision=precision, preferred_element_type=lhs.dtype,
+                                 implementation=GPU_IMPLEMENTATIONS if platform == "gpu" else None)
 
 
 def _nonempty_groups(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
