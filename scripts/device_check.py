@@ -40,13 +40,17 @@ from typing import Any, TextIO
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_profile import PROFILES, REPO, STAGES, Profile, dry_run  # noqa: E402
 
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from jaxserve.capacity import DEFAULT_MAX_NUM_SEQS  # noqa: E402
+
 STAGE_SCRIPT = Path(__file__).resolve().parent / "device_stages.py"
 EXIT_MARGIN_S = 8.0   # kept for the report after the last stage
 
 
 class Check:
-    def __init__(self, profile: Profile, out: Path, work: Path, budget_s: float) -> None:
-        self.profile, self.out, self.work = profile, out, work
+    def __init__(self, profile: Profile, out: Path, work: Path, budget_s: float, stages: tuple[str, ...]) -> None:
+        self.profile, self.out, self.work, self.stages = profile, out, work, stages
         self.start = time.monotonic()
         self.deadline = self.start + budget_s
         self.results: dict[str, dict[str, Any]] = {}
@@ -105,7 +109,7 @@ class Check:
     def _limit(self, stage: str) -> float | None:
         """The stage's limit within what is left, keeping the later stages' floors in reserve; None
         (and SKIPPED) when not even its own floor is left."""
-        later = STAGES[STAGES.index(stage) + 1:] if stage in STAGES else ()
+        later = self.stages[self.stages.index(stage) + 1:] if stage in self.stages else ()
         reserve = sum(self.profile.floors[s] for s in later if s not in self.profile.not_run)
         limit = min(self.profile.limits[stage], self.left() - reserve)
         if limit < self.profile.floors.get(stage, 0):
@@ -118,12 +122,13 @@ class Check:
 def run_check(profile: Profile, out: Path, budget_s: float, stages: tuple[str, ...] = STAGES) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="device-check-") as tmp:
-        check = Check(profile, out, Path(tmp), budget_s)
+        check = Check(profile, out, Path(tmp), budget_s, stages)
         check.say(f"device check, profile {profile.name}, budget {budget_s:.0f} s, stages {', '.join(stages)}")
         plan = None
+        plan_after = "serve" if "serve" in stages else "env"  # the measured decode's shape, when there is one
         for stage in stages:
             check.run(stage)
-            if stage == "serve" and check.results["serve"].get("decode_steps"):
+            if stage == plan_after:
                 plan = _start_plan(check)
         if plan is not None:
             proc, result, started = plan
@@ -138,12 +143,18 @@ def run_check(profile: Profile, out: Path, budget_s: float, stages: tuple[str, .
     return report
 
 
-def _start_plan(check: Check) -> tuple[subprocess.Popen, Path, float] | None:
-    """`jaxserve plan` at the served run's largest decode bucket's mean batch and context, started in
-    the background (host CPUs only) while the next stages hold the accelerator."""
-    top = check.results["serve"]["decode_steps"][-1]
-    batch = max(1, round(top["rows"]))
-    context = max(1, round(top["context_tokens"] / top["rows"]))
+def _start_plan(check: Check) -> tuple[subprocess.Popen, Path, float]:
+    """`jaxserve plan` started in the background (host CPUs only) while the next stages hold the
+    accelerator: at the served run's largest decode bucket's mean batch and context, or, without
+    one, at the burst's (all its requests decoding, halfway through their outputs)."""
+    steps = check.results.get("serve", {}).get("decode_steps")
+    if steps:
+        batch = max(1, round(steps[-1]["rows"]))
+        context = max(1, round(steps[-1]["context_tokens"] / steps[-1]["rows"]))
+    else:
+        w = check.profile.workload
+        batch = min(w.num_requests, DEFAULT_MAX_NUM_SEQS)
+        context = round(sum(w.prompt_len) / 2 + sum(w.output_len) / 4)
     target = plan_target(check.profile, check.results.get("env", {}).get("device_kind"))
     check.say(f"plan: started in the background ({target}, decode b={batch}, context {context})")
     proc, result = check.spawn("plan", {"batch": batch, "context": context, "target": target})

