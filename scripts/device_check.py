@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -136,10 +137,20 @@ def run_check(profile: Profile, out: Path, budget_s: float, stages: tuple[str, .
         server_log = Path(tmp) / "serve" / "server.log"
         if server_log.exists():
             (out / "server.log").write_bytes(server_log.read_bytes()[-4_000_000:])
-        report = make_report(profile, check.results, time.monotonic() - check.start)
+        try:
+            report = make_report(profile, check.results, time.monotonic() - check.start)
+        except Exception:  # what was measured still comes back, with the reason the report is short
+            check.say(f"report: FAIL\n{traceback.format_exc()}")
+            report = dict(date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), profile=profile.name,
+                          dry_run=profile.platform == "cpu", seconds=time.monotonic() - check.start, stages=check.results,
+                          summary={**{s: check.results.get(s, {}).get("status", "NOT RUN") for s in (*STAGES, "plan")},
+                                   "report": "FAIL"}, error=traceback.format_exc())
         check.log.close()
     (out / "device_check.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "device_check.md").write_text(markdown(report))
+    try:
+        (out / "device_check.md").write_text(markdown(report))
+    except Exception:
+        (out / "device_check.md").write_text(f"the markdown report failed:\n\n```\n{traceback.format_exc()}```\n")
     return report
 
 
@@ -185,7 +196,8 @@ def make_report(profile: Profile, results: dict[str, dict[str, Any]], seconds: f
     served = serve.get("bench", {}).get("output_throughput")
     if served:
         report["vs_transformers"] = {kind: served / peer[kind]["output_throughput"]
-                                     for kind in ("static", "continuous") if peer.get(kind)}
+                                     for kind in ("static", "continuous")
+                                     if (peer.get(kind) or {}).get("output_throughput")}
     return report
 
 
@@ -310,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # an installed CUDA plugin would look for a GPU
     stages = tuple(s for s in STAGES if s in a.stages.split(","))
     report = run_check(profile, Path(a.out), a.budget or profile.budget_s, stages)
-    print(markdown(report))
+    print((Path(a.out) / "device_check.md").read_text())
     for stage, status in report["summary"].items():
         print(f"{stage:<9} {status}")
     return 1 if "FAIL" in report["summary"].values() else 0

@@ -23,6 +23,7 @@ from device_profile import PROFILES, dry_run  # noqa: E402
 def _run(script: str, out: Path, *args: str) -> dict:
     done = subprocess.run(["bash", f"scripts/{script}", "--dry-run", *args], cwd=REPO, capture_output=True,
                           text=True, env={**os.environ, "OUT": str(out)}, timeout=1200)
+    assert (out / "device_check.json").exists(), (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
     report = json.loads((out / "device_check.json").read_text())
     assert done.returncode == 0, (done.stdout[-3000:], json.dumps(report["summary"]))
     return report
@@ -102,3 +103,17 @@ def test_a_stage_past_its_limit_is_stopped_and_reported_skipped(tmp_path):
     # a stage that is not even given its floor is not started
     late = device_check.run_check(profile, tmp_path / "late", budget_s=1.0, stages=("kernels",))
     assert late["summary"]["kernels"] == "SKIPPED" and "not started" in late["stages"]["kernels"]["error"]
+
+
+def test_a_report_that_cannot_be_made_still_returns_what_was_measured(tmp_path, monkeypatch):
+    def broken(*args):
+        raise ZeroDivisionError("a figure of zero")
+
+    monkeypatch.setattr(device_check, "make_report", broken)
+    profile = dry_run("gpu")
+    profile = dataclasses.replace(profile, limits={**profile.limits, "plan": 0.5}, floors={**profile.floors, "plan": 0.1})
+    device_check.run_check(profile, tmp_path, budget_s=60.0, stages=("env",))
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    assert report["summary"]["env"] == "PASS" and report["summary"]["report"] == "FAIL"
+    assert report["stages"]["env"]["num_devices"] >= 1 and "ZeroDivisionError" in report["error"]
+    assert "| report | FAIL |" in (tmp_path / "device_check.md").read_text()

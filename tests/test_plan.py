@@ -178,13 +178,15 @@ def test_plan_command_missing_model_is_a_clean_error(capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_plan_command_without_the_cuda_plugin_names_the_extra(tmp_path, capsys, monkeypatch):
+    from jaxserve import gpu_target
 
-
-def test_plan_command_without_the_cuda_plugin_names_the_extra(tmp_path, capsys):
+    # whether this environment holds jax[cuda12] or not, the command sees none
+    monkeypatch.setattr(gpu_target, "cuda_plugin_installed", lambda: False)
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 128,
                                   "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
                                   "num_key_value_heads": 2, "max_position_embeddings": 256}))
-    assert cli.main(["plan", str(config), "--target", "gpu-h100:1x1x1"]) == 2  # this env has no jax[cuda12]
+    assert cli.main(["plan", str(config), "--target", "gpu-h100:1x1x1"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'jaxserve[gpu]'" in err and "Traceback" not in err
