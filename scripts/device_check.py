@@ -88,6 +88,8 @@ class Check:
             data["status"] = "SKIPPED" if proc.returncode == -signal.SIGKILL else "FAIL"
             data.setdefault("error", f"stopped at its {limit:.0f} s time limit" if data["status"] == "SKIPPED"
                             else f"the stage process exited with {proc.returncode} before reporting")
+        elif proc.returncode:  # it reported, then died: what it reported stands, and why it is short
+            data.setdefault("error", f"the stage process exited with {proc.returncode} after reporting")
         data["seconds"] = time.monotonic() - started
         data["limit_s"] = limit
         self.results[stage] = data
@@ -195,10 +197,16 @@ def make_report(profile: Profile, results: dict[str, dict[str, Any]], seconds: f
     peer = results.get("peer", {})
     served = serve.get("bench", {}).get("output_throughput")
     if served:
-        report["vs_transformers"] = {kind: served / peer[kind]["output_throughput"]
-                                     for kind in ("static", "continuous")
-                                     if (peer.get(kind) or {}).get("output_throughput")}
+        report["vs_transformers"] = {kind: served / figures(peer, kind)["output_throughput"]
+                                     for kind in ("static", "continuous") if figures(peer, kind).get("output_throughput")}
     return report
+
+
+def figures(stage: dict[str, Any], key: str) -> dict[str, Any]:
+    """A stage's measured figures under `key`, or {} when it holds none: not run, or a marker such
+    as the peer's "running" left by a measurement its process did not finish."""
+    value = stage.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 def decode_against_bounds(profile: Profile, top: dict[str, float], results: dict[str, Any]) -> dict[str, Any]:
@@ -298,7 +306,7 @@ def _stage_line(stage: str, data: dict[str, Any], report: dict[str, Any]) -> str
                 f"the plan's {_fmt(d.get('plan_ms'), 2)} ms")
     if stage == "peer":
         ratio = report.get("vs_transformers") or {}
-        static, cont = data.get("static") or {}, data.get("continuous") or {}
+        static, cont = figures(data, "static"), figures(data, "continuous")
         return (f"static {_fmt(static.get('output_throughput'), 0)} tok/s (jaxserve {_fmt(ratio.get('static'), 2)}x); "
                 f"continuous {_fmt(cont.get('output_throughput'), 0)} tok/s (jaxserve {_fmt(ratio.get('continuous'), 2)}x)")
     if stage == "features":
