@@ -13,8 +13,8 @@ from checkpoints import orbax_io
 from checkpoints.hf import load_weights, resolve_model_dir, tensor_names
 from checkpoints.quantized import quantized_marker_part
 from checkpoints.random_init import random_weights
-from jaxserve import sharding
-from jaxserve.config import LOAD_FORMATS, ModelConfig
+from jaxserve.parallel import sharding
+from jaxserve.core.config import LOAD_FORMATS, ModelConfig
 from jaxserve.model.weights import Weights
 from jaxserve.quant.scheme import online_scheme
 

@@ -23,8 +23,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from checkpoints.hf import _iter_tensors, _safetensors_files, layer_tensors, resolve_model_dir, tensor_names
-from jaxserve import sharding
-from jaxserve.config import ModelConfig
+from jaxserve.parallel import sharding
+from jaxserve.core.config import ModelConfig
 from jaxserve.model import eagle3
 from jaxserve.model.param_spec import is_spec
 
@@ -75,12 +75,12 @@ def read_config(model: str | Path, target: ModelConfig) -> tuple[Path, eagle3.Ea
     return model_dir, eagle3.Eagle3Config.from_hf(raw, target, names)
 
 
-def load_eagle3(model: str | Path, target: ModelConfig, mesh: Mesh,
-                dtype: Any = jnp.float32) -> tuple[eagle3.Eagle3Config, eagle3.Eagle3Weights]:
+def load_eagle3(model: str | Path, target: ModelConfig, mesh: Mesh, dtype: Any = jnp.float32,
+                rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[eagle3.Eagle3Config, eagle3.Eagle3Weights]:
     """Config and placed weights of an EAGLE-3 head for `target`; errors name the offending tensor."""
     model_dir, cfg = read_config(model, target)
     specs = eagle3.abstract(cfg, dtype)
-    rules = sharding.rules_for(eagle3.logical_dims(cfg), mesh)
+    rules = sharding.rules_for(eagle3.logical_dims(cfg), mesh, rules)
     placements = jax.tree.map(lambda s: sharding.named(mesh, *s.axes, rules=rules, shape=s.shape), specs,
                               is_leaf=is_spec)
     table = _table(cfg)

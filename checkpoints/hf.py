@@ -22,10 +22,10 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from checkpoints import quantized
-from jaxserve.config import ModelConfig
+from jaxserve.core.config import ModelConfig
 from jaxserve.model import weights as W
 from jaxserve.quant import host as quant_host
-from jaxserve.sharding import DEFAULT_RULES, Rules, put
+from jaxserve.parallel.sharding import DEFAULT_RULES, Rules, put
 
 # Tensors transformers may store that carry no weights we need.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -80,31 +80,39 @@ _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e
                "I16": np.int16, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_}
 
 
-def _memmap(file: Path, name: str) -> np.ndarray:
-    """One tensor as a read-only memory map, from the file's header (8-byte little-endian length,
-    JSON of dtype/shape/offsets): nothing is read until an element is."""
+def _header(file: Path) -> tuple[int, dict[str, dict]]:
+    """A safetensors file's header (8-byte little-endian length, then JSON of each tensor's dtype,
+    shape and data offsets): (its length, tensor name -> entry). Read once per file and load."""
     with open(file, "rb") as fh:
         n = int.from_bytes(fh.read(8), "little")
-        entry = json.loads(fh.read(n))[name]
+        entries = json.loads(fh.read(n))
+    entries.pop("__metadata__", None)
+    return n, entries
+
+
+def _memmap(file: Path, header_len: int, name: str, entry: dict) -> np.ndarray:
+    """One tensor as a read-only memory map at its offsets: nothing is read until an element is."""
     if entry["dtype"] not in _RAW_DTYPES:
         raise ValueError(f"tensor {name!r} in {file.name} has unsupported dtype {entry['dtype']}")
     start, end = entry["data_offsets"]
-    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + n + start, shape=(end - start,))
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_len + start, shape=(end - start,))
     return data.view(_RAW_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def _iter_tensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
-    """(name, read) per tensor; lazy: read returns a memory map (see _memmap)."""
+    """(name, read) per tensor; lazy: read returns a memory map (see _memmap). Each file's header is
+    parsed once, however many tensors are read from it."""
     for file in files:
+        header_len, entries = _header(file)
         with safe_open(str(file), framework="numpy") as f:
             for name in f.keys():
                 def read(f=f, name=name, file=file) -> np.ndarray:
                     if lazy:
-                        return _memmap(file, name)
+                        return _memmap(file, header_len, name, entries[name])
                     try:
                         return f.get_tensor(name)
                     except (AttributeError, TypeError, ValueError):  # numpy has no float8
-                        return np.array(_memmap(file, name))
+                        return np.array(_memmap(file, header_len, name, entries[name]))
                 yield name, read
 
 

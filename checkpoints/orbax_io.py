@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from jaxserve.config import ModelConfig
-from jaxserve import sharding
+from jaxserve.core.config import ModelConfig
+from jaxserve.parallel import sharding
 from jaxserve.model import weights as W
 from jaxserve.quant.scheme import WeightQuant
 

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxserve import sharding
-from jaxserve.config import ModelConfig
+from jaxserve.parallel import sharding
+from jaxserve.core.config import ModelConfig
 from jaxserve.model import weights as W
 from jaxserve.model.param_spec import ParamSpec
 from jaxserve.quant import host as quant_host

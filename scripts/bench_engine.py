@@ -49,7 +49,7 @@ def preset_model(name: str):
     """(ModelConfig, float32 random weights, seed 0) of a preset."""
     import jax.numpy as jnp
 
-    from jaxserve.config import ModelConfig
+    from jaxserve.core.config import ModelConfig
     from jaxserve.model.weights import init_random
 
     cfg = ModelConfig.from_hf(preset_config(name))
@@ -58,11 +58,11 @@ def preset_model(name: str):
 
 def run_batch(model_cfg, weights, batch: int, context: int, steps: int, repeats: int,
               breakdown: bool = False, kv_cache_dtype: str = "auto") -> dict:
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import EngineCore
-    from jaxserve.request import Request
-    from jaxserve.sampling_params import SamplingParams
-    from jaxserve.sharding import make_mesh
+    from jaxserve.core.config import EngineConfig
+    from jaxserve.engine.engine_core import EngineCore
+    from jaxserve.core.request import Request
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.parallel.sharding import make_mesh
 
     page_size = 16
     max_tokens = steps * (repeats + 1) + 16  # headroom for the breakdown's extra step
@@ -157,8 +157,8 @@ def detokenize_ms(batch: int, steps: int) -> float:
     """Milliseconds per step to stream one new token for each of `batch` sequences through the
     incremental detokenizer (the real Qwen vocabulary of the embedded default model)."""
     from jaxserve.default_model import ensure_default_model
-    from jaxserve.detokenizer import IncrementalDetokenizer
-    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.text.detokenizer import IncrementalDetokenizer
+    from jaxserve.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(ensure_default_model())
     text = (ROOT / "README.md").read_text()
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     import roofline as rl
-    from jaxserve.config import ModelConfig
+    from jaxserve.core.config import ModelConfig
     from jaxserve.model.weights import init_random
 
     cfg_dict = preset_config(args.preset)

@@ -37,11 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import EngineCore
-    from jaxserve.request import Request
-    from jaxserve.sampling_params import SamplingParams
-    from jaxserve.sharding import make_mesh
+    from jaxserve.core.config import EngineConfig
+    from jaxserve.engine.engine_core import EngineCore
+    from jaxserve.core.request import Request
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.parallel.sharding import make_mesh
 
     cfg, weights = preset_model(args.preset)
     core = EngineCore(cfg, weights, EngineConfig(), make_mesh(1, 1))

@@ -42,11 +42,11 @@ def ttft(core, request) -> float:
 def run(cfg, weights, offload: float | None, prefix_len: int, repeats: int) -> dict:
     import numpy as np
 
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import EngineCore
-    from jaxserve.request import Request
-    from jaxserve.sampling_params import SamplingParams
-    from jaxserve.sharding import make_mesh
+    from jaxserve.core.config import EngineConfig
+    from jaxserve.engine.engine_core import EngineCore
+    from jaxserve.core.request import Request
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.parallel.sharding import make_mesh
 
     engine = EngineConfig(num_kv_pages=80, page_size=16, max_model_len=prefix_len + 64, max_num_seqs=4,
                           kv_offload_gib=offload)

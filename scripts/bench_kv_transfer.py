@@ -47,7 +47,7 @@ def main() -> None:
                             ("jax", ["--kv-role", "decode", "--kv-transport", "jax"])):
             port = free_port()
             urls[name], logs[name] = f"http://127.0.0.1:{port}", Path(tmp) / f"{name}.log"
-            cmd = [python_cmd(), "-m", "jaxserve.cli", "serve", *model, *flags, "--port", str(port),
+            cmd = [python_cmd(), "-m", "jaxserve.entrypoints.cli", "serve", *model, *flags, "--port", str(port),
                    "--no-progress", "--no-access-log", "--max-model-len", "4096"]
             stack.enter_context(server_process(cmd, urls[name] + "/health", logs[name], 600))
         model_id = httpx.get(urls["prefill"] + "/v1/models").json()["data"][0]["id"]

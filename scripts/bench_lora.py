@@ -56,8 +56,8 @@ def write_adapter(directory: Path, model_cfg, rank: int, seed: int) -> None:
 
 
 def run_once(core, batch: int, prompt_len: int, max_tokens: int, adapters: list[str | None], seed: int) -> dict:
-    from jaxserve.request import Request
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.request import Request
+    from jaxserve.core.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     vocab = core.model_cfg.vocab_size
@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     engine_run_args(ap)
     args = ap.parse_args(argv)
 
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import EngineCore
-    from jaxserve.sharding import make_mesh
+    from jaxserve.core.config import EngineConfig
+    from jaxserve.engine.engine_core import EngineCore
+    from jaxserve.parallel.sharding import make_mesh
 
     model_cfg, weights = preset_model(args.preset)
     names = [f"adapter{i}" for i in range(args.adapters)]

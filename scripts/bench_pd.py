@@ -42,7 +42,7 @@ def free_port() -> int:
 
 def start(args: list[str], port: int) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, "-m", "jaxserve.cli", *args, "--port", str(port)], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "jaxserve.entrypoints.cli", *args, "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -52,7 +52,7 @@ def quality(schemes: list[str], text_len: int = 128, gen_len: int = 256) -> list
     from checkpoints import load_model
     from hf_models import VARIANTS, make_hf_model
     from jaxserve.model.dense import forward_dense, greedy_generate
-    from jaxserve.sharding import make_mesh
+    from jaxserve.parallel.sharding import make_mesh
 
     rows = []
     for variant in sorted(VARIANTS):
@@ -116,8 +116,8 @@ def kv_quality(kv_dtypes: list[str], text_len: int = 128, gen_len: int = 256) ->
     from paged_forward import paged_logits
     from hf_models import VARIANTS, make_hf_model
     from jaxserve.model.dense import greedy_generate
-    from jaxserve.request import Request
-    from jaxserve.sharding import make_mesh
+    from jaxserve.core.request import Request
+    from jaxserve.parallel.sharding import make_mesh
 
     rows = []
     for variant in sorted(VARIANTS):
@@ -156,7 +156,7 @@ def speed(preset: str, batches: list[int], context: int, steps: int, repeats: in
     import jax.numpy as jnp
 
     from bench_engine import preset_config, run_batch
-    from jaxserve.config import ModelConfig
+    from jaxserve.core.config import ModelConfig
     from jaxserve.model.weights import init_random
     from jaxserve.quant.scheme import online_scheme
 
@@ -180,11 +180,11 @@ def kv_plan(kv_dtypes: list[str]) -> list[dict]:
     Qwen3-8B-shaped model in bf16 on TPU v6e and an H200, per KV cache dtype."""
     import jax.numpy as jnp
 
-    from jaxserve.capacity import kv_bytes_per_token
-    from jaxserve.config import EngineConfig, ModelConfig
-    from jaxserve.layouts import make_layout
-    from jaxserve.plan import decode_step, plan_deployment
-    from jaxserve.targets import parse_target
+    from jaxserve.core.capacity import kv_bytes_per_token
+    from jaxserve.core.config import EngineConfig, ModelConfig
+    from jaxserve.parallel.layouts import make_layout
+    from jaxserve.planning.plan import decode_step, plan_deployment
+    from jaxserve.planning.targets import parse_target
 
     cfg = ModelConfig.from_hf(QWEN3_8B)
     rows = []
@@ -208,12 +208,12 @@ def bytes_and_plan(schemes: list[str]) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.config import EngineConfig, ModelConfig
-    from jaxserve.layouts import make_layout
+    from jaxserve.core.config import EngineConfig, ModelConfig
+    from jaxserve.parallel.layouts import make_layout
     from jaxserve.model import weights as W
-    from jaxserve.plan import decode_step, plan_deployment
+    from jaxserve.planning.plan import decode_step, plan_deployment
     from jaxserve.quant.scheme import online_scheme, qtype_bits
-    from jaxserve.targets import parse_target
+    from jaxserve.planning.targets import parse_target
 
     base = ModelConfig.from_hf(QWEN3_8B)
     params = sum(int(math.prod(s.shape)) for s in jax.tree.leaves(W.abstract(base), is_leaf=W.is_spec))

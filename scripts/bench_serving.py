@@ -469,7 +469,7 @@ def _rate(text: str) -> float:
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> BenchConfig:
-    from jaxserve.cli import HelpFormatter  # every flag's default in --help, as in `jaxserve serve --help`
+    from jaxserve.entrypoints.cli import HelpFormatter  # every flag's default in --help, as in `jaxserve serve --help`
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")

@@ -44,9 +44,9 @@ WORKLOADS = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0, t
 
 
 def make_core(model_cfg, weights, max_num_seqs: int, spec: dict | None):
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import EngineCore
-    from jaxserve.sharding import make_mesh
+    from jaxserve.core.config import EngineConfig
+    from jaxserve.engine.engine_core import EngineCore
+    from jaxserve.parallel.sharding import make_mesh
 
     core = EngineCore(model_cfg, weights, EngineConfig(max_num_seqs=max_num_seqs, speculative_config=spec),
                       make_mesh(1, 1))
@@ -75,8 +75,8 @@ def random_head(preset: str, model_cfg) -> Path:
 
 
 def run_once(core, batch: int, prompt_len: int, max_tokens: int, workload: str, seed: int) -> dict:
-    from jaxserve.request import Request
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.request import Request
+    from jaxserve.core.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     vocab = core.model_cfg.vocab_size

@@ -26,7 +26,7 @@ WARMUP_LINE = re.compile(r"warm-up compiled (\d+) programs in ([0-9.]+)s")
 def start_once(model: str | None, cache_dir: Path, log_path: Path, timeout: float) -> dict[str, float]:
     """Launches `jaxserve serve` (defaults, plus the cache dir), waits for /health, stops it."""
     port = bc.free_port()
-    cmd = [bc.python_cmd(), "-m", "jaxserve.cli", "serve", "--port", str(port), "--no-progress",
+    cmd = [bc.python_cmd(), "-m", "jaxserve.entrypoints.cli", "serve", "--port", str(port), "--no-progress",
            "--compilation-cache-dir", str(cache_dir)] + (["--model", model] if model else [])
     t0 = time.monotonic()
     with bc.server_process(cmd, f"http://127.0.0.1:{port}/health", log_path, timeout):

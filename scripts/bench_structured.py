@@ -37,10 +37,10 @@ SCHEMA = {"type": "array", "minItems": 1000, "items": {
 def build_core(preset: str | None, batch: int, max_len: int):
     """(EngineCore, Tokenizer) on the embedded default model, or on a bench preset's random weights
     (same Qwen vocabulary, so the default model's tokenizer drives the grammars)."""
-    from jaxserve.config import EngineConfig
+    from jaxserve.core.config import EngineConfig
     from jaxserve.default_model import ensure_default_model
-    from jaxserve.llm import load_engine_core
-    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.engine.loading import load_engine_core
+    from jaxserve.text.tokenizer import Tokenizer
 
     ecfg = EngineConfig(max_num_seqs=batch, max_model_len=max_len, enable_prefix_caching=False)
     if preset is None:
@@ -49,10 +49,10 @@ def build_core(preset: str | None, batch: int, max_len: int):
     import jax.numpy as jnp
 
     from bench_engine import preset_config
-    from jaxserve.config import ModelConfig
-    from jaxserve.engine import EngineCore
+    from jaxserve.core.config import ModelConfig
+    from jaxserve.engine.engine_core import EngineCore
     from jaxserve.model.weights import init_random
-    from jaxserve.sharding import make_mesh
+    from jaxserve.parallel.sharding import make_mesh
 
     model_cfg = ModelConfig.from_hf(preset_config(preset))
     core = EngineCore(model_cfg, init_random(model_cfg, seed=0, dtype=jnp.float32), ecfg, make_mesh(1, 1))
@@ -63,8 +63,8 @@ def build_core(preset: str | None, batch: int, max_len: int):
 def timed_window(core, tokenizer, grammar, batch: int, steps: int, tag: str) -> dict:
     """Adds `batch` requests, decodes until all have started plus a few steps, then times `steps`
     steps; aborts them all afterwards."""
-    from jaxserve.request import Request
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.request import Request
+    from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.structured import StructuredOutputs
 
     spec = StructuredOutputs(json=SCHEMA) if grammar is not None else None

@@ -5,7 +5,7 @@
     python scripts/bench_vs_peers.py --smoke --no-docs   # tiny model, 4 requests, 2 rates + the 80% run
 
 Systems (choose with --systems):
-  jaxserve      `python -m jaxserve.cli serve` with its own defaults (no tuning flags unless
+  jaxserve      `python -m jaxserve.entrypoints.cli serve` with its own defaults (no tuning flags unless
                 --jaxserve-args gives some), driven by bench_serving
   hf-static     Hugging Face transformers `generate`, static batches (left-padded, greedy, EOS suppressed)
   hf-serve      `transformers serve --continuous-batching`, driven by the same load generator
@@ -148,7 +148,7 @@ def jaxserve_command(model_dir: Path, port: int, max_num_seqs: int | None = None
     Tuning flags appear only when asked for: `max_num_seqs` / `max_num_batched_tokens` when not None,
     and the user's `extra_args` (buckets, KV-pool size, ...).
     """
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32"]
     if max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(max_num_seqs)]
@@ -853,8 +853,8 @@ def build_systems(a: argparse.Namespace, stack: contextlib.ExitStack, model_dir:
         s = System("jaxserve (continuous batching)", ServerSystem(
             stack, cmd, port, "/health", cfg, prompts, a.log_dir / "jaxserve.log", a.start_timeout, env,
             bound=bound, fresh_cache_salt=True), is_jaxserve=True, serving=True)
-        if importlib.util.find_spec("jaxserve.cli") is None:
-            s.error = "jaxserve.cli is not importable yet"
+        if importlib.util.find_spec("jaxserve.entrypoints.cli") is None:
+            s.error = "jaxserve.entrypoints.cli is not importable yet"
         systems.append(s)
     if "hf-serve" in wanted:
         port = free_port()

@@ -43,7 +43,7 @@ from device_profile import PROFILES, REPO, STAGES, Profile, dry_run  # noqa: E40
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from jaxserve.capacity import DEFAULT_MAX_NUM_SEQS  # noqa: E402
+from jaxserve.core.capacity import DEFAULT_MAX_NUM_SEQS  # noqa: E402
 
 STAGE_SCRIPT = Path(__file__).resolve().parent / "device_stages.py"
 EXIT_MARGIN_S = 8.0   # kept for the report after the last stage
@@ -176,7 +176,7 @@ def _start_plan(check: Check) -> tuple[subprocess.Popen, Path, float]:
 
 def plan_target(profile: Profile, device_kind: str | None) -> str:
     """One chip of the kind the check ran on (the served engine's mesh is 1x1), else the profile's."""
-    from jaxserve.targets import CHIPS
+    from jaxserve.planning.targets import CHIPS
 
     chip = next((c for c in CHIPS.values() if c.device_kind == device_kind), None)
     if chip is None:
@@ -212,9 +212,9 @@ def figures(stage: dict[str, Any], key: str) -> dict[str, Any]:
 def decode_against_bounds(profile: Profile, top: dict[str, float], results: dict[str, Any]) -> dict[str, Any]:
     """The largest bucket's mean decode step against the HBM roofline (every weight byte a decode
     reads, once, plus its sequences' KV, at the chip's published bandwidth) and the plan's estimate."""
-    from jaxserve.capacity import kv_bytes_per_token
-    from jaxserve.config import ModelConfig
-    from jaxserve.targets import CHIPS, parse_target
+    from jaxserve.core.capacity import kv_bytes_per_token
+    from jaxserve.core.config import ModelConfig
+    from jaxserve.planning.targets import CHIPS, parse_target
 
     cfg = ModelConfig.from_hf(profile.model)
     itemsize = 2 if profile.platform in ("gpu", "tpu") else 4  # the served dtype: bf16 on accelerators

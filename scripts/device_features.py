@@ -36,7 +36,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 
 
 def stage_features(profile: Profile, work: Path, result: Result, args: dict) -> None:
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.structured.spec import StructuredOutputs
 
     deadline = time.monotonic() + float(args.get("seconds", 150))
@@ -100,7 +100,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 def _variant(name: str, directory: Path, overrides: dict, prompts: list[list[int]], params: Any,
              extra: Any = None, decode: bool = False) -> dict[str, Any]:
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
 
     start = time.monotonic()
     llm = LLM(str(directory), show_progress=False, load_format="dummy", **{**ENGINE, **overrides})

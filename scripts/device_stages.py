@@ -223,7 +223,7 @@ def stage_serve(profile: Profile, work: Path, result: Result, args: dict) -> Non
     directory = model_dir(profile.model, work / "model")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(directory), "--load-format", "dummy",
+    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--model", str(directory), "--load-format", "dummy",
            "--port", str(port), "--no-progress", *profile.serve_args]
     result.set(command=" ".join(["jaxserve", *cmd[3:]]))
     server_log = work / "server.log"
@@ -311,7 +311,7 @@ def stage_plan(profile: Profile, work: Path, result: Result, args: dict) -> None
     directory = model_dir(profile.model, work / "plan-model")
     batch, context = int(args["batch"]), int(args["context"])
     out = work / "plan.json"
-    cmd = [sys.executable, "-m", "jaxserve.cli", "plan", str(directory), "--target", args.get("target", profile.target),
+    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "plan", str(directory), "--target", args.get("target", profile.target),
            "--batch", str(batch), "--context", str(context), "--json", str(out)]
     result.set(command=" ".join(["jaxserve", *cmd[3:]]))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -28,7 +28,7 @@ export PYTHONPATH="$VENV/carried:$PWD"
 "$VENV/bin/python" -m pytest -p no:cacheprovider -n 2 -q \
   tests/test_engine.py tests/test_llm.py tests/server/test_server_generation.py tests/model/test_parity.py \
   tests/kernels/test_rpa_reference.py tests/kernels/test_rpa_gpu.py tests/kernels/test_rpa_tpu.py \
-  tests/quant/test_quantized_engine.py tests/spec/test_spec_engine.py tests/structured/test_structured_engine.py \
+  tests/quant/test_quantized_engine.py tests/speculative/test_spec_engine.py tests/structured/test_structured_engine.py \
   tests/model/test_moe.py tests/test_random_init.py
 "$VENV/bin/python" -m pytest -p no:cacheprovider -n 2 -q -m "gpu_compile or not (gpu or tpu)" \
   tests/kernels/test_rpa_gpu_compile.py tests/kernels/test_rpa_tiled_compile.py tests/kernels/test_rpa_tpu_compile.py \

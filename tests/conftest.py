@@ -29,7 +29,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from jaxserve.quiet import quiet_libtpu  # noqa: E402
+from jaxserve.core.quiet import quiet_libtpu  # noqa: E402
 
 quiet_libtpu()  # compile-only TPU targets (libtpu is in the test extra): no metadata queries, no lock file
 
@@ -37,7 +37,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxserve.llm import enable_compilation_cache  # noqa: E402
+from jaxserve.engine.loading import enable_compilation_cache  # noqa: E402
 
 # The user's cache dir, as `jaxserve serve` and LLM() use it: a program another test (or a server
 # subprocess) compiled is loaded instead of compiled again; a whole run with it took 0.9x the time.
@@ -45,8 +45,8 @@ enable_compilation_cache(None)
 
 import pytest  # noqa: E402
 
-from jaxserve import model_runner  # noqa: E402
-from jaxserve.model_runner import ModelRunner  # noqa: E402
+from jaxserve.runner import model_runner  # noqa: E402
+from jaxserve.runner.model_runner import ModelRunner  # noqa: E402
 
 # Runners keep their programs in memory only here: the on-disk program store pins every program it
 # loads or stores for the life of the process (program_store.py says why), which would defeat the
@@ -69,7 +69,7 @@ def _max_memory_maps() -> int:
 
 # Every compiled XLA:CPU program holds a few memory maps (its JIT-linked code and data sections)
 # for as long as jax caches it, and an xdist worker compiles thousands of programs over the suite
-# (tests/spec/test_eagle3.py alone adds ~19,000 maps). At vm.max_map_count (65,530 by default)
+# (tests/speculative/test_eagle3.py alone adds ~19,000 maps). At vm.max_map_count (65,530 by default)
 # mmap fails inside LLVM's JIT linker or jax's executable serializer, and the worker dies of SIGABRT
 # or SIGSEGV in some later test's compile: the late-suite worker crash seen on CI and here (the core
 # of one held 65,531 maps). Past half the limit (so the largest file still fits above it), a worker

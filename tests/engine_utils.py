@@ -7,11 +7,11 @@ from typing import Any
 
 from checkpoints import load_model
 from hf_models import make_hf_model
-from jaxserve.config import EngineConfig
-from jaxserve.engine import EngineCore
-from jaxserve.request import Request
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.sharding import make_mesh
+from jaxserve.core.config import EngineConfig
+from jaxserve.engine.engine_core import EngineCore
+from jaxserve.core.request import Request
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.parallel.sharding import make_mesh
 
 SMALL_ENGINE = dict(page_size=4, num_kv_pages=96, max_num_seqs=8, max_num_batched_tokens=32,
                     max_model_len=96, token_buckets=(8, 32), seq_buckets=(8,))

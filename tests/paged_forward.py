@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import kv_cache
-from jaxserve.config import ModelConfig
+from jaxserve.model import kv_cache
+from jaxserve.core.config import ModelConfig
 from jaxserve.model.paged import forward_paged
 from jaxserve.model.weights import Weights
 from jaxserve.quant import kv as kv_quant
-from jaxserve.sharding import make_mesh
-from jaxserve.step_inputs import StepArrays
+from jaxserve.parallel.sharding import make_mesh
+from jaxserve.runner.step_inputs import StepArrays
 from kernels_pallas import ragged_paged_attention_reference
 
 

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from engine_utils import greedy, make_core, run_all, tiny_model
-from jaxserve.config import EngineConfig
-from jaxserve.page_allocator import PageAllocator
-from jaxserve.request import FinishReason, Request
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import PENDING_TOKEN, Scheduler
-from jaxserve.step_inputs import StepInputBuilder
+from jaxserve.core.config import EngineConfig
+from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.core.request import FinishReason, Request
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.step_plan import PENDING_TOKEN
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.runner.step_inputs import StepInputBuilder
 
 
 @pytest.fixture(scope="module")
@@ -194,9 +195,9 @@ def test_threaded_engine_stream_ends_after_finish_and_is_dropped(tmp_path):
     import asyncio
 
     from engine_utils import make_core, tiny_model
-    from jaxserve.engine import Engine
-    from jaxserve.request import FinishReason, Request
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.engine.async_engine import Engine
+    from jaxserve.core.request import FinishReason, Request
+    from jaxserve.core.sampling_params import SamplingParams
 
     cfg, weights, _ = tiny_model(tmp_path, "qwen3-qknorm", seed=3)
     engine = Engine(make_core(cfg, weights))
@@ -229,9 +230,9 @@ def test_tokens_already_queued_when_the_consumer_finishes_a_sample_are_dropped()
     effect; the stream drops it, so the consumer sees STOP right after the last token it read."""
     import asyncio
 
-    from jaxserve.engine import RequestStream
-    from jaxserve.request import FinishReason, Request, TokenEvent
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.engine.async_engine import RequestStream
+    from jaxserve.core.request import FinishReason, Request, TokenEvent
+    from jaxserve.core.sampling_params import SamplingParams
 
     async def run():
         stream = RequestStream(Request("r", [1, 2], SamplingParams(n=2, max_tokens=8)), asyncio.get_running_loop())

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxserve.config import ModelConfig
+from jaxserve.core.config import ModelConfig
 from jaxserve.model.attention import make_attention
-from jaxserve.sharding import make_mesh
+from jaxserve.parallel.sharding import make_mesh
 from kernels_pallas import (ragged_paged_attention_gpu, ragged_paged_attention_reference,
                             ragged_paged_attention_tiled)
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from engine_utils import greedy, run_all, tiny_model
-from jaxserve import buckets, capacity
-from jaxserve.capacity import MachineInfo, plan_capacity
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine import EngineCore
-from jaxserve.machine import machine_info
-from jaxserve.request import Request
-from jaxserve.sharding import make_mesh
+from jaxserve.core import buckets, capacity
+from jaxserve.core.capacity import MachineInfo, plan_capacity
+from jaxserve.core.config import EngineConfig, ModelConfig
+from jaxserve.engine.engine_core import EngineCore
+from jaxserve.runner.machine import machine_info
+from jaxserve.core.request import Request
+from jaxserve.parallel.sharding import make_mesh
 
 GIB = 1024 ** 3
 # jaxserve-tiny's shape: Qwen3, hidden 256, 4 layers, 4 x 64 query heads, 2 KV heads, mlp 768
@@ -172,7 +172,7 @@ def tiny(tmp_path_factory):
 
 def test_an_engine_without_sizes_resolves_them_logs_them_and_warms_exactly_the_counted_programs(tiny, caplog):
     cfg, weights = tiny
-    caplog.set_level(logging.INFO, logger="jaxserve.model_runner")
+    caplog.set_level(logging.INFO, logger="jaxserve.runner.model_runner")
     core = EngineCore(cfg, weights, EngineConfig(max_model_len=64), make_mesh(1, 1))
     e = core.engine_cfg
     assert None not in (e.max_num_seqs, e.max_num_batched_tokens, e.num_kv_pages)
@@ -190,8 +190,8 @@ def test_temporaries_estimate_covers_xla_memory_analysis(tiny):
     cfg, weights = tiny
     core = EngineCore(cfg, weights, EngineConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64,
                                                  num_kv_pages=64), make_mesh(1, 1))
-    from jaxserve.buckets import history_buckets
-    from jaxserve.buckets import Program
+    from jaxserve.core.buckets import history_buckets
+    from jaxserve.core.buckets import Program
     t, s = max(core.runner.builder.buckets)
     widest = max(history_buckets(core.engine_cfg.max_model_len, cfg.vocab_size))
     forward = core.runner.compile(Program("forward", t, s)).memory_analysis().temp_size_in_bytes

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 from checkpoints import load_model, orbax_io, resolve_model_dir
 from hf_models import make_hf_model
 from jaxserve.model import weights as W
-from jaxserve.sharding import make_mesh
+from jaxserve.parallel.sharding import make_mesh
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +131,8 @@ def test_reading_only_each_devices_slices_places_the_same_weights(variant, tmp_p
     import numpy as np
 
     from checkpoints.hf import SliceReads, load_weights
-    from jaxserve.config import ModelConfig
-    from jaxserve.sharding import make_mesh
+    from jaxserve.core.config import ModelConfig
+    from jaxserve.parallel.sharding import make_mesh
 
     path, _ = make_hf_model(variant, tmp_path)
     cfg = ModelConfig.from_hf(path)
@@ -145,3 +145,27 @@ def test_reading_only_each_devices_slices_places_the_same_weights(variant, tmp_p
         assert a.sharding == b.sharding, where
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(where))
     assert slices.read == slices.total > 0  # one process holds every device: it reads everything once
+
+
+def test_each_safetensors_header_is_read_once_per_load(tmp_path, monkeypatch):
+    """A sliced (memory-mapped) load opens each file's header once, not once per tensor."""
+    import builtins
+
+    from checkpoints import hf
+    from checkpoints.hf import SliceReads, load_weights
+    from jaxserve.core.config import ModelConfig
+
+    path, _ = make_hf_model("qwen3-qknorm", tmp_path)
+    cfg = ModelConfig.from_hf(path)
+    files = sorted(path.glob("*.safetensors"))
+    opened: list[str] = []
+
+    def counting_open(file, *args, **kwargs):
+        if str(file).endswith(".safetensors"):
+            opened.append(str(file))
+        return builtins.open(file, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "open", counting_open, raising=False)
+    load_weights(path, cfg, make_mesh(1, 2), slices=SliceReads())
+    assert sorted(opened) == [str(f) for f in files]  # one header read per file
+    assert len(hf.tensor_names(path)) > len(files)  # while the files hold more tensors than that

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve import cli
+from jaxserve.entrypoints import cli, engine_args
 from jaxserve.server import commands
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -126,7 +126,7 @@ def test_bench_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys,
 
 def cli_config(command: str, *flags: str):
     argv = [command, *flags] + (["--prompt", "unused"] if command == "generate" else [])
-    return cli._engine_config(cli.build_parser().parse_args(argv), "jaxserve-tiny")
+    return engine_args.engine_config(cli.build_parser().parse_args(argv), "jaxserve-tiny")
 
 
 def test_generate_config_holds_one_request_and_stays_within_the_limits():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.config import EngineConfig, ModelConfig
 
 BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=100, hidden_size=64,
             intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxserve.cli import build_parser
+from jaxserve.entrypoints.cli import build_parser
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "DEPLOY.md"
 # Kubernetes substitutes $(VAR) from the pod's environment; these stand in for it.

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.default_model import ensure_default_model
-from jaxserve.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.text.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
+from jaxserve.text.tokenizer import Tokenizer
 
 PROMPT = [151644, 77091, 198]  # "<|im_start|>assistant\n"
 NL = 198                        # "\n" as one token ("\n\n" is normally its own token, 271)

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from engine_utils import greedy, make_core, run_all, tiny_model
-from jaxserve.request import FinishReason, Request
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.request import FinishReason, Request
+from jaxserve.core.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
-"""jaxserve.gpu_target without the CUDA plugin: the figures behind the H100/H200 target
+"""jaxserve.planning.gpu_target without the CUDA plugin: the figures behind the H100/H200 target
 descriptions, the text protos built from them, and the errors `gpu_devices` gives.
 
 The compile-only devices themselves are exercised by the `gpu_compile` tests
 (tests/kernels/test_rpa_gpu_compile.py), which need the gpu extra."""
+import ast
 import os
 import re
 import subprocess
@@ -10,8 +11,8 @@ import sys
 
 import pytest
 
-from jaxserve import gpu_target
-from jaxserve.gpu_target import GIB, GB, KIB, MIB
+from jaxserve.planning import gpu_target
+from jaxserve.planning.gpu_target import GIB, GB, KIB, MIB
 
 
 def test_figures_are_the_data_sheet_numbers():
@@ -97,7 +98,7 @@ def test_module_imports_only_jax_numpy_and_the_standard_library():
         "import sys\n"
         "import jax\n"
         "after_jax = set(sys.modules)\n"
-        "import jaxserve.gpu_target\n"
+        "import jaxserve.planning.gpu_target\n"
         "new = {m.split('.')[0] for m in set(sys.modules) - after_jax}\n"
         "print(sorted(new - {'jaxserve'} - set(sys.stdlib_module_names)))\n"
         "print(sorted(m for m in sys.modules if m.startswith('jaxserve')))\n"
@@ -105,5 +106,6 @@ def test_module_imports_only_jax_numpy_and_the_standard_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout.split("\n")
     assert out[0] == "[]", out
-    # jaxserve.host_memory is the package's own import-time setting (standard library only)
-    assert out[1] == "['jaxserve', 'jaxserve.gpu_target', 'jaxserve.host_memory']", out
+    # jaxserve.core.host_memory is the package's own import-time setting (standard library only)
+    assert sorted(ast.literal_eval(out[1])) == ["jaxserve", "jaxserve.core", "jaxserve.core.host_memory", "jaxserve.planning",
+                                    "jaxserve.planning.gpu_target"], out

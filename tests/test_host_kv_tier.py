@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine_utils import greedy, make_core, run_all, tiny_model
-from jaxserve.page_allocator import PageAllocator, host_page
-from jaxserve.request import Request
+from jaxserve.engine.page_allocator import PageAllocator, host_page
+from jaxserve.core.request import Request
 
 NS = "m\x00"
 
@@ -138,9 +138,38 @@ def test_a_draft_models_pages_move_with_the_targets(tmp_path):
 
 
 def test_bad_host_tier_settings_are_named():
-    from jaxserve.config import EngineConfig
+    from jaxserve.core.config import EngineConfig
 
     with pytest.raises(ValueError, match="--kv-offload-gib must be > 0"):
         EngineConfig(kv_offload_gib=0)
     with pytest.raises(ValueError, match="--kv-offload-gib needs prefix caching"):
         EngineConfig(kv_offload_gib=1.0, enable_prefix_caching=False)
+
+
+def test_host_memory_stays_within_the_tier_when_runs_fragment(model):
+    """A run of 8 demoted pages of which 7 were promoted again still holds 8 pages' memory while its
+    last row is referenced; demoting 7 more pages would hold 15 on an 8-page tier. The sparse run is
+    compacted instead (its live row copied out), and what the slots hold is unchanged."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.model import kv_cache
+    from jaxserve.parallel.sharding import make_mesh, replicated
+    from jaxserve.runner.host_tier import HostTier
+
+    cfg, _ = model
+    mesh = make_mesh(1, 1)
+    kv = kv_cache.allocate(cfg, 32, 4, jnp.float32, mesh)
+    kv = jax.tree.map(lambda a: a + jnp.arange(a.shape[0], dtype=a.dtype).reshape(-1, *[1] * (a.ndim - 1)), kv)
+    put = lambda a: jax.device_put(a, replicated(mesh))  # noqa: E731
+    tier = HostTier(kv, put, capacity=8)
+    tier.demote(kv, np.array([[p, p] for p in range(8)]))        # slots 0-7 <- pages 0-7: one run of 8
+    kv = tier.promote(kv, np.array([[s, 31] for s in range(1, 8)]))  # 7 rows leave; slot 0 still holds page 0
+    assert tier.held_pages == 8
+    tier.demote(kv, np.array([[10 + s, s] for s in range(1, 8)]))  # slots 1-7 <- pages 11-17 (runs 4, 2, 1)
+    assert tier.held_pages <= tier.capacity == 8
+    kv = tier.promote(kv, np.array([[0, 20], [3, 21]]))            # back into device pages 20 and 21
+    first = jax.tree.leaves(kv)[0]
+    np.testing.assert_array_equal(np.asarray(first[20]), np.full(first.shape[1:], 0.0))   # page 0's content
+    np.testing.assert_array_equal(np.asarray(first[21]), np.full(first.shape[1:], 13.0))  # page 13's

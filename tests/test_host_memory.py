@@ -1,4 +1,4 @@
-"""The package's malloc settings (jaxserve/host_memory.py): a large freed buffer stays in the
+"""The package's malloc settings (jaxserve/core/host_memory.py): a large freed buffer stays in the
 process's heap for the next allocation instead of going back to the kernel (to be faulted in again,
 page by page, the next time: what a CPU step did every step)."""
 
@@ -33,7 +33,7 @@ def test_freed_large_buffers_stay_in_the_heap():
 
 
 def test_tuning_applies_on_glibc_and_can_be_turned_off(monkeypatch):
-    from jaxserve.host_memory import tune_malloc
+    from jaxserve.core.host_memory import tune_malloc
 
     assert tune_malloc()  # these machines run glibc on Linux
     monkeypatch.setenv("JAXSERVE_MALLOC_TUNING", "0")

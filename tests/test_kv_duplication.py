@@ -10,14 +10,15 @@ import pytest
 from checkpoints import load_model
 from engine_utils import greedy, make_core, run_all
 from hf_models import make_hf_model
-from jaxserve.config import EngineConfig
-from jaxserve.layouts import make_layout
-from jaxserve.model.kv_heads import kv_duplication, repeat_kv
+from jaxserve.core.config import EngineConfig
+from jaxserve.parallel.layouts import make_layout
+from jaxserve.model.kv_heads import repeat_kv
+from jaxserve.parallel.kv_heads import kv_duplication
 from jaxserve.model.weights import init_random
-from jaxserve.plan import plan_deployment
-from jaxserve.request import Request
-from jaxserve.sharding import make_mesh
-from jaxserve.targets import parse_target
+from jaxserve.planning.plan import plan_deployment
+from jaxserve.core.request import Request
+from jaxserve.parallel.sharding import make_mesh
+from jaxserve.planning.targets import parse_target
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_duplicated_kv_heads_generate_what_one_device_does(qwen3, model_axis):
 
 
 def test_repeat_order_keeps_each_query_head_on_its_own_kv_head():
-    from jaxserve.config import ModelConfig
+    from jaxserve.core.config import ModelConfig
     cfg = ModelConfig.from_hf({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
                                "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 8,
                                "num_key_value_heads": 2, "max_position_embeddings": 64})
@@ -65,7 +66,7 @@ def test_repeat_order_keeps_each_query_head_on_its_own_kv_head():
 
 
 def test_duplication_applies_only_to_multiples_that_split_the_query_heads():
-    from jaxserve.config import ModelConfig
+    from jaxserve.core.config import ModelConfig
     base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 48, "intermediate_size": 32,
             "num_hidden_layers": 1, "max_position_embeddings": 64}
     gqa = ModelConfig.from_hf({**base, "num_attention_heads": 8, "num_key_value_heads": 2})
@@ -76,7 +77,7 @@ def test_duplication_applies_only_to_multiples_that_split_the_query_heads():
 
 
 def test_planner_sees_one_kv_head_per_device_and_the_kernel():
-    from jaxserve.config import ModelConfig
+    from jaxserve.core.config import ModelConfig
     cfg = ModelConfig.from_hf({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 1024, "hidden_size": 256,
                                "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8,
                                "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 512})

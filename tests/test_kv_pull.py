@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import kv_cache
-from jaxserve.kv_pull import TransferEndpoint
+from jaxserve.model import kv_cache
+from jaxserve.runner.kv_pull import TransferEndpoint
 
 
 def _pool(pages: int, seed: int) -> kv_cache.KVPages:

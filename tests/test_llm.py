@@ -8,8 +8,9 @@ import re
 
 import pytest
 
-from jaxserve.llm import LLM
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.entrypoints import engine_args
+from jaxserve.entrypoints.llm import LLM
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, token_buckets=(32,),
               seq_buckets=(4,), num_kv_pages=64)
@@ -70,14 +71,14 @@ def test_progress_bars_show_while_loading_and_compiling_unless_turned_off(capsys
 
 def test_cli_generate_compiles_few_programs_and_prints_the_engines_greedy_text(llm, caplog):
     """`jaxserve generate` runs a config cut down to its one request; the text must not change."""
-    from jaxserve import cli
+    from jaxserve.entrypoints import cli
     from jaxserve.server import commands
 
     args = cli.build_parser().parse_args(["generate", "--prompt", "Hello"])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    caplog.set_level(logging.INFO, logger="jaxserve.model_runner")
+    caplog.set_level(logging.INFO, logger="jaxserve.runner.model_runner")
     out = io.StringIO()
-    reason = commands.generate(None, cli._engine_config(args, "jaxserve-tiny"), "Hello", params, out=out,
+    reason = commands.generate(None, engine_args.engine_config(args, "jaxserve-tiny"), "Hello", params, out=out,
                                show_progress=False)
     warmed = [int(m.group(1)) for r in caplog.records
               if (m := re.search(r"warm-up compiled (\d+) programs", r.getMessage()))]

@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from jaxserve.multihost import DEFAULT_STALL_TIMEOUT, MultiHost
-from jaxserve.router.replicas import replica_env
+from jaxserve.distributed.multihost import DEFAULT_STALL_TIMEOUT, MultiHost
+from jaxserve.distributed.replicas import replica_env
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = ["--tensor-parallel-size", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
@@ -42,7 +42,7 @@ class Cluster:
         self.logs = [tmp / f"rank{r}.log" for r in (0, 1)]
         self.procs = []
         for rank in (1, 0):
-            cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--num-hosts", "2", "--host-rank", str(rank),
+            cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--num-hosts", "2", "--host-rank", str(rank),
                    "--coordinator", coordinator, "--no-progress",
                    "--port", str(self.port), *SIZES]
             with open(self.logs[rank], "w") as log:
@@ -102,8 +102,8 @@ def _completions(url: str) -> list[str]:
 
 def _one_process_completions() -> list[str]:
     """The same requests on one process with the suite's 8 CPU devices (TP=8)."""
-    from jaxserve.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.core.sampling_params import SamplingParams
 
     llm = LLM(None, show_progress=False, mesh_shape=(1, 8), max_num_seqs=4, max_num_batched_tokens=32,
               max_model_len=128, num_kv_pages=48)
@@ -141,7 +141,11 @@ def test_a_dead_or_stalled_rank_stops_the_other(tmp_path, victim, sig, message):
     with Cluster(tmp_path) as cluster:
         cluster.procs[victim].send_signal(sig)
         code, seconds = cluster.exit_within(1 - victim, 30)
-        assert code != 0 and message in cluster.log(1 - victim)
+        # A killed leader also takes JAX's coordination service (it runs in rank 0) with it; the
+        # follower's JAX client aborts on losing it (SIGABRT) when that thread notices before our
+        # connection watcher does, which a loaded machine makes a race. Either way the follower stops.
+        lost_service = victim == 0 and code == -signal.SIGABRT
+        assert code != 0 and (message in cluster.log(1 - victim) or lost_service)
         assert seconds >= DEFAULT_STALL_TIMEOUT - 1 or sig == signal.SIGKILL
 
 
@@ -165,8 +169,8 @@ def test_bad_multihost_settings_are_named(kwargs, message):
 
 
 def test_what_multihost_does_not_mirror_yet_is_refused_by_name():
-    from jaxserve.config import EngineConfig
-    from jaxserve.multihost import check_supported
+    from jaxserve.core.config import EngineConfig
+    from jaxserve.distributed.multihost import check_supported
 
     with pytest.raises(ValueError, match="--enable-lora is not supported yet"):
         check_supported(EngineConfig(enable_lora=True))
@@ -174,3 +178,18 @@ def test_what_multihost_does_not_mirror_yet_is_refused_by_name():
         check_supported(EngineConfig(speculative_config={"method": "draft_model", "model": "x",
                                                          "num_speculative_tokens": 2}))
     check_supported(EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_pd_roles_on_several_hosts_are_refused_before_anything_starts(role, capsys):
+    """The KV export / import / pull programs run on the leader only: a follower would miss them."""
+    from jaxserve.core.config import EngineConfig
+    from jaxserve.distributed.multihost import check_supported
+    from jaxserve.entrypoints import cli
+
+    with pytest.raises(ValueError, match=f"--kv-role {role} .*--num-hosts > 1"):
+        check_supported(EngineConfig(kv_role=role))
+    code = cli.main(["serve", "--num-hosts", "2", "--host-rank", "0", "--coordinator", "127.0.0.1:1",
+                     "--kv-role", role, "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--kv-role" in err and "--num-hosts" in err and "Traceback" not in err

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.packing import pack, unpack
+from jaxserve.runner.packing import pack, unpack
 
 
 class Tree(NamedTuple):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxserve.page_allocator import NoFreePagesError, PageAllocator
+from jaxserve.engine.page_allocator import NoFreePagesError, PageAllocator
 
 NS = "model\x00"
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from engine_utils import greedy, make_core, run_all, tiny_model
-from jaxserve import capacity, kv_cache
+from jaxserve.core import capacity
+from jaxserve.model import kv_cache
 from jaxserve.model.dense import greedy_generate
-from jaxserve.model_runner import CompileCounter
-from jaxserve.request import Request
+from jaxserve.runner.compile_counter import CompileCounter
+from jaxserve.core.request import Request
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], list(range(3, 50)), [14, 90, 31], [60, 3, 3, 88, 12, 19, 4, 70, 21, 11]]
 
@@ -109,7 +110,7 @@ def test_kv_pages_are_donated_and_never_copied(qwen3):
 
     def step_memory(num_pages: int):
         c = make_core(cfg, weights, num_kv_pages=num_pages)
-        from jaxserve.buckets import Program
+        from jaxserve.core.buckets import Program
         return c.runner.compile(Program("forward", 8, 8)).memory_analysis(), capacity.kv_bytes_per_token(cfg, 4) * 4 * num_pages
 
     small, small_pool = step_memory(32)

@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import pytest
 
 from engine_utils import SMALL_ENGINE, greedy, make_core, run_all, tiny_model
-from jaxserve import model_runner, program_store
-from jaxserve.buckets import serving_programs
-from jaxserve.config import EngineConfig
-from jaxserve.engine import EngineCore
-from jaxserve.program_store import ProgramTable, fingerprint
-from jaxserve.request import Request
-from jaxserve.sharding import make_mesh
+from jaxserve.runner import model_runner, program_store
+from jaxserve.core.buckets import serving_programs
+from jaxserve.core.config import EngineConfig
+from jaxserve.engine.engine_core import EngineCore
+from jaxserve.runner.program_store import ProgramTable, fingerprint
+from jaxserve.core.request import Request
+from jaxserve.parallel.sharding import make_mesh
 
 _TRACE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
 _traced = {"count": 0}
@@ -88,7 +88,7 @@ def test_another_engine_config_is_another_key_and_a_bad_entry_is_compiled_again(
     assert (other.runner.programs.compiled, other.runner.programs.loaded) == (_programs(other), 0)
     bad = firsts[0]
     bad.write_bytes(b"not a program")
-    caplog.set_level(logging.WARNING, logger="jaxserve.program_store")
+    caplog.set_level(logging.WARNING, logger="jaxserve.runner.program_store")
     # jax hands back its in-memory executable for an HLO it compiled before, and XLA:CPU cannot
     # serialize one that has run (its sort comparator is resolved at first run): start afresh
     jax.clear_caches()
@@ -124,7 +124,7 @@ def test_a_call_with_another_signature_falls_back_to_jit(tmp_path, caplog):
     table = ProgramTable(tmp_path, "fp", jax.devices()[:1])
     assert table.call("k", double, {"scale": 2}, (), jnp.ones(3)).tolist() == [2.0] * 3
     assert table.compiled == 1 and len(list((tmp_path / "jaxserve-programs").rglob("*.bin"))) == 1
-    caplog.set_level(logging.WARNING, logger="jaxserve.program_store")
+    caplog.set_level(logging.WARNING, logger="jaxserve.runner.program_store")
     assert table.call("k", double, {"scale": 2}, (), jnp.ones(4)).tolist() == [2.0] * 4
     assert any("another signature" in r.getMessage() for r in caplog.records)
     again = ProgramTable(tmp_path, "fp", jax.devices()[:1])
@@ -141,7 +141,7 @@ def test_a_program_served_by_jaxs_own_cache_is_not_stored(tmp_path, monkeypatch,
 
     hits = iter(range(100))
     monkeypatch.setattr(program_store, "_cache_hits", lambda: next(hits))  # every compile "hits"
-    caplog.set_level(logging.INFO, logger="jaxserve.program_store")
+    caplog.set_level(logging.INFO, logger="jaxserve.runner.program_store")
     table = ProgramTable(tmp_path, "fp", jax.devices()[:1])
     assert table.call("k", jax.jit(plus, static_argnames=("k",)), {"k": 1}, (), jnp.ones(2)).tolist() == [2.0, 2.0]
     assert table.compiled == 1 and not list(tmp_path.rglob("*.bin"))
@@ -165,7 +165,7 @@ def test_a_static_argument_without_a_stable_text_is_not_stored(tmp_path, caplog)
     def ident(x, thing):
         return x
 
-    caplog.set_level(logging.WARNING, logger="jaxserve.program_store")
+    caplog.set_level(logging.WARNING, logger="jaxserve.runner.program_store")
     table = ProgramTable(tmp_path, "fp", jax.devices()[:1])
     assert table.call("k", jax.jit(ident, static_argnames=("thing",)), {"thing": Opaque()}, (),
                       jnp.ones(2)).tolist() == [1.0, 1.0]

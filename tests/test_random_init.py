@@ -13,10 +13,10 @@ import pytest
 
 from checkpoints import load_model
 from hf_models import make_hf_model
-from jaxserve.config import EngineConfig
+from jaxserve.core.config import EngineConfig
 from jaxserve.model import weights as W
 from jaxserve.quant import host as quant_host
-from jaxserve.sharding import make_mesh
+from jaxserve.parallel.sharding import make_mesh
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,9 @@ import httpx
 import openai
 import pytest
 
-from jaxserve.router.app import label_replica, routing_key
-from jaxserve.router.policy import PREFIX_BLOCK_CHARS, RoutingPolicy
-from jaxserve.router.replicas import (cpu_pool_share, local_platform, replica_argv, replica_env, split_cores,
+from jaxserve.distributed.router import merge_replica_metrics, routing_key
+from jaxserve.distributed.routing_policy import PREFIX_BLOCK_CHARS, RoutingPolicy
+from jaxserve.distributed.replicas import (cpu_pool_share, local_platform, replica_argv, replica_env, split_cores,
                                       watch_replicas)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,14 +85,34 @@ def test_routing_keys_are_the_prompt_or_the_messages():
     assert chat.startswith('[{"role":"system","content":"S"}')
 
 
-def test_replica_metrics_get_a_replica_label_and_one_help_line():
-    text = ('# HELP jaxserve:num_requests_running Sequences.\n# TYPE jaxserve:num_requests_running gauge\n'
-            'jaxserve:num_requests_running{model_name="m"} 3.0\nprocess_cpu 1.5\n')
-    seen: set[str] = set()
-    out = label_replica(text, 0, seen) + label_replica(text, 1, seen)
-    assert out.count("# HELP jaxserve:num_requests_running Sequences.") == 1
-    assert 'jaxserve:num_requests_running{replica="1",model_name="m"} 3.0' in out
-    assert 'process_cpu{replica="0"} 1.5' in out
+def test_replicas_metrics_merge_into_one_family_per_name_and_any_label_value_survives():
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jaxserve.distributed.router import _Families
+
+    def replica(running: float, adapter: str) -> str:
+        return ("# HELP jaxserve:num_requests_running Sequences.\n# TYPE jaxserve:num_requests_running gauge\n"
+                f'jaxserve:num_requests_running{{model_name="m"}} {running}\n'
+                "# HELP jaxserve:lora_requests_total Requests.\n# TYPE jaxserve:lora_requests_total counter\n"
+                f'jaxserve:lora_requests_total{{adapter="{adapter}"}} 2.0\nprocess_cpu 1.5\n')
+
+    tricky = 'sql}{"x"'.replace('"', '\\"')  # a `}` and an escaped quote inside a label value
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(merge_replica_metrics([(0, replica(3, tricky)), (1, replica(5, "plain"))])))
+    text = generate_latest(registry).decode()
+    assert text.count("# HELP jaxserve:num_requests_running ") == 1
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # the output parses back
+    running = families["jaxserve:num_requests_running"].samples
+    assert {(s.labels["replica"], s.labels["model_name"], s.value) for s in running} == {("0", "m", 3.0), ("1", "m", 5.0)}
+    lora = families["jaxserve:lora_requests"].samples
+    assert {(s.labels["replica"], s.labels["adapter"]) for s in lora} == {("0", 'sql}{"x"'), ("1", "plain")}
+    # one family's samples are together: no other family's line between them
+    lines = [line.split("{")[0].split(" ")[0] for line in text.splitlines() if not line.startswith("#")]
+    first = lines.index("jaxserve:num_requests_running")
+    assert lines[first:first + 2] == ["jaxserve:num_requests_running"] * 2
+    # a replica whose text does not parse is left out, the others stay
+    assert [f.name for f in merge_replica_metrics([(0, "not { metrics"), (1, "x 1\n")])] == ["x"]
 
 
 def test_each_replica_sees_its_own_devices_and_port():
@@ -148,17 +168,18 @@ def _free_port_block(n: int) -> int:
 
 
 def _metric(text: str, name: str, replica: int) -> float:
-    total = 0.0
-    for m in re.finditer(rf'^{re.escape(name)}\{{replica="{replica}"[^}}]*\}} (\S+)$', text, re.M):
-        total += float(m.group(1))
-    return total
+    """The sum of `name`'s samples labelled replica="replica" in the router's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and s.labels.get("replica") == str(replica))
 
 
 def _launch(flags: list[str], out) -> subprocess.Popen:
     """`jaxserve serve FLAGS` at small sizes (7 programs, not the 22 of 16 seqs / 256 tokens / 512
     context: each replica compiles its set on one core, which took ~170 s of the suite per launch)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *flags, "--max-num-seqs", "4", "--max-num-batched-tokens",
+    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", *flags, "--max-num-seqs", "4", "--max-num-batched-tokens",
            "64", "--max-model-len", "256", "--no-progress", "--no-access-log"]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -350,7 +371,7 @@ def test_disaggregate_starts_prefill_and_decode_instances_behind_the_proxy(tmp_p
 
 
 def test_disaggregate_refuses_what_it_cannot_combine(capsys):
-    from jaxserve.cli import main
+    from jaxserve.entrypoints.cli import main
 
     for bad in ("0:1", "1", "a:b"):
         with pytest.raises(SystemExit):

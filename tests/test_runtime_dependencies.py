@@ -217,7 +217,7 @@ import json, sys
 from pathlib import Path
 
 from jaxserve.default_model import ensure_default_model
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.text.tokenizer import Tokenizer
 
 model_dir = ensure_default_model()
 tok = Tokenizer.from_pretrained(model_dir)
@@ -225,7 +225,7 @@ ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}])  # transforme
 assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 assert tok.decode(tok.encode("héllo wörld 你好")) == "héllo wörld 你好"
 
-import jaxserve.cli
+import jaxserve.entrypoints.cli
 import jaxserve.server.launch
 from jaxserve.server import ServerConfig, build_app
 
@@ -234,7 +234,7 @@ build_app(lambda: None, ServerConfig())  # the loader only runs once the app is 
 # Quantized weights (qwix, ml_dtypes): the embedded model's shape, int4 at load, one forward.
 import dataclasses
 import jax.numpy as jnp
-from jaxserve.config import ModelConfig
+from jaxserve.core.config import ModelConfig
 from jaxserve.model.dense import forward_dense
 from jaxserve.model.weights import init_random
 from jaxserve.quant.scheme import online_scheme
@@ -258,7 +258,7 @@ assert _tokamax().config.cross_compile.value is False
 sys.argv = saved_argv
 
 report = Path(sys.argv[2])
-rc = jaxserve.cli.main(["bench", "--base-url", sys.argv[1], "--model", "jaxserve-tiny", "--endpoint", "chat",
+rc = jaxserve.entrypoints.cli.main(["bench", "--base-url", sys.argv[1], "--model", "jaxserve-tiny", "--endpoint", "chat",
                         "--prompt-as", "text", "--num-requests", "2", "--prompt-len-min", "8",
                         "--prompt-len-max", "8", "--output-len-min", "4", "--output-len-max", "4",
                         "--timeout", "120", "--json-out", str(report)])
@@ -295,7 +295,7 @@ def test_server_path_runs_with_only_the_declared_dependencies(tmp_path):
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
     # A small step budget: one token bucket, so the real warm-up compiles few programs.
-    serve = [*gated, "jaxserve.cli", "serve", "--port", str(port), "--max-model-len", "256", "--max-num-seqs", "4",
+    serve = [*gated, "jaxserve.entrypoints.cli", "serve", "--port", str(port), "--max-model-len", "256", "--max-num-seqs", "4",
              "--max-num-batched-tokens", "16", "--token-buckets", "16", "--num-kv-pages", "64", "--no-progress"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(serve, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.buckets import history_buckets
-from jaxserve.sampler import (PADDING_TEMPERATURE, SamplingRow, SamplingTensors, argmax_rows, process_logits,
-                              sample)
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.buckets import history_buckets
+from jaxserve.runner.sampler import argmax_rows, process_logits, sample
+from jaxserve.runner.sampling_tensors import PADDING_TEMPERATURE, SamplingRow, SamplingTensors
+from jaxserve.core.sampling_params import SamplingParams
 
 R, WIDTH, VOCAB = 8, 24, 16
 SAMPLE = jax.jit(sample, static_argnames="vocab_size")

@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampler import SamplingRow, SamplingTensors, sample
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.runner.sampler import sample
+from jaxserve.runner.sampling_tensors import SamplingRow, SamplingTensors
+from jaxserve.core.sampling_params import SamplingParams
 
 VOCAB, WIDTH, N = 16, 20, 3000
 # Fixed, unsorted logits; the 4 padding columns are huge so an unmasked one would dominate.

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.core.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 VOCAB = 1000
 
@@ -88,7 +88,7 @@ def test_defaults_match_contract():
 
 
 def test_module_does_not_import_jax():
-    code = "import sys, jaxserve.sampling_params; print('jax' in sys.modules)"
+    code = "import sys, jaxserve.core.sampling_params; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=pathlib.Path(__file__).parents[1])
     assert out.stdout.strip() == "False"

@@ -7,11 +7,12 @@ import zlib
 
 import pytest
 
-from jaxserve.config import EngineConfig
-from jaxserve.page_allocator import PageAllocator
-from jaxserve.request import FinishReason, Request
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import PENDING_TOKEN, SampledToken, Scheduler, StepPlan
+from jaxserve.core.config import EngineConfig
+from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.core.request import FinishReason, Request
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.step_plan import PENDING_TOKEN, SampledToken, StepPlan
+from jaxserve.engine.scheduler import Scheduler
 
 EOS = 0
 
@@ -421,10 +422,10 @@ def test_config_must_match_the_allocator():
 def test_one_debug_line_per_step(caplog):
     s = make()
     s.add(req("a", [1, 2, 3], max_tokens=2))
-    with caplog.at_level(logging.DEBUG, logger="jaxserve.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="jaxserve.engine.scheduler"):
         step(s)
         step(s)
-    lines = [r.getMessage() for r in caplog.records if r.name == "jaxserve.scheduler"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxserve.engine.scheduler"]
     assert len(lines) == 2
     assert "running=1" in lines[0] and "tokens=3" in lines[0] and "preempted=0" in lines[0]
     assert "cache_hit_tokens=0" in lines[0]

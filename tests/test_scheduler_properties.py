@@ -21,11 +21,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.config import EngineConfig
-from jaxserve.page_allocator import PageAllocator
-from jaxserve.request import FinishReason, Request
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import PENDING_TOKEN, SampledToken, Scheduler, StepPlan, SwapCosts
+from jaxserve.core.config import EngineConfig
+from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.core.request import FinishReason, Request
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.step_plan import PENDING_TOKEN, SampledToken, StepPlan, SwapCosts
+from jaxserve.engine.scheduler import Scheduler
 
 EOS = 0
 MAX_MODEL_LEN = 48

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.layouts import make_layout
+from jaxserve.core.config import EngineConfig, ModelConfig
+from jaxserve.parallel.layouts import make_layout
 from jaxserve.model.attention import make_attention
-from jaxserve.buckets import serving_programs
-from jaxserve.programs import lower_program
-from jaxserve.sharding import make_mesh
-from jaxserve.targets import parse_target
+from jaxserve.core.buckets import serving_programs
+from jaxserve.runner.programs import lower_program
+from jaxserve.parallel.sharding import make_mesh
+from jaxserve.planning.targets import parse_target
 from own_process import in_own_process
 
 FAMILIES = {
@@ -54,7 +54,7 @@ def test_every_serving_program_compiles_for_tpu(target, tp, family):
 def _sampler_program(devices, history: int):
     """The serving sampler at 256 rows of a 151,936 vocabulary with a `history`-id table, compiled for
     `devices` (one)."""
-    from jaxserve.buckets import Program
+    from jaxserve.core.buckets import Program
     cfg = ModelConfig.from_hf({**FAMILIES["qwen3"], "vocab_size": 151936})
     engine = EngineConfig(max_num_seqs=256, max_num_batched_tokens=256, max_model_len=8192, num_kv_pages=64)
     mesh = make_mesh(1, 1, devices)
@@ -76,7 +76,7 @@ def test_sampler_programs_compile_for_an_h100():
     """The sampler program (every branch: greedy ids, the draw, logprobs, the grammar mask) compiles
     for an H100 at 256 rows, with no table and with the widest (16384 ids); without a table it holds
     no copy of the [R, V] logits (with one, the penalties' in-place update copies them, in its branch)."""
-    from jaxserve.gpu_target import gpu_devices
+    from jaxserve.planning.gpu_target import gpu_devices
 
     for history in (0, 16384):
         hlo = _sampler_program(gpu_devices("h100", "1x1x1"), history).as_text()
@@ -127,7 +127,7 @@ def _eagle3_programs(devices, tp: int, kernel: str) -> None:
     `devices` with TP=`tp`, each with the attention kernel (`kernel` in the HLO)."""
     import dataclasses
 
-    from jaxserve.eagle_runner import lower_eagle
+    from jaxserve.runner.proposers.eagle3 import lower_eagle
     from jaxserve.model.eagle3 import Eagle3Config
 
     cfg = ModelConfig.from_hf({**FAMILIES["qwen3"], "num_hidden_layers": 4})
@@ -157,7 +157,7 @@ def test_eagle3_programs_compile_for_tpu():
 
 @pytest.mark.gpu_compile
 def test_eagle3_programs_compile_for_two_h100s():
-    from jaxserve.gpu_target import gpu_devices
+    from jaxserve.planning.gpu_target import gpu_devices
 
     _eagle3_programs(gpu_devices("h100", "1x1x2"), 2, "__gpu$xla.gpu.triton")
 
@@ -209,7 +209,7 @@ def test_moe_forward_runs_its_grouped_matmuls_as_triton_kernels_on_two_h100s():
     (model/moe.GPU_IMPLEMENTATIONS says why): no kernel beyond the dense model's attention."""
     import dataclasses
 
-    from jaxserve.gpu_target import gpu_devices
+    from jaxserve.planning.gpu_target import gpu_devices
     from jaxserve.model.moe import GPU_IMPLEMENTATIONS
 
     moe = ModelConfig.from_hf(MOE)
@@ -244,7 +244,7 @@ def test_jnp_attention_fallback_compiles_for_tpu():
 
 @pytest.mark.gpu_compile
 def test_jnp_attention_fallback_compiles_for_eight_h100s():
-    from jaxserve.gpu_target import gpu_devices
+    from jaxserve.planning.gpu_target import gpu_devices
 
     _jnp_fallback_forwards(gpu_devices("h100", "1x1x8"))
 
@@ -255,9 +255,9 @@ def test_host_tier_page_moves_compile_for_tpu():
     import jax
     import jax.numpy as jnp
 
-    from jaxserve import kv_cache
-    from jaxserve.host_tier import CHUNK_WIDTHS, gather_pages, scatter_pages
-    from jaxserve.sharding import replicated
+    from jaxserve.model import kv_cache
+    from jaxserve.runner.host_tier import CHUNK_WIDTHS, gather_pages, scatter_pages
+    from jaxserve.parallel.sharding import replicated
 
     cfg = ModelConfig.from_hf(FAMILIES["qwen3"])
     mesh = make_mesh(1, 4, parse_target("tpu-v6e:2x2").devices())

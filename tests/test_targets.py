@@ -7,10 +7,10 @@ import importlib.util
 
 import pytest
 
-from jaxserve import targets
-from jaxserve.config import ModelConfig
-from jaxserve.layouts import candidate_layouts, check_divides, make_layout
-from jaxserve.targets import CHIPS, TargetUnavailable, parse_target
+from jaxserve.planning import targets
+from jaxserve.core.config import ModelConfig
+from jaxserve.parallel.layouts import candidate_layouts, check_divides, make_layout
+from jaxserve.planning.targets import CHIPS, TargetUnavailable, parse_target
 
 CFG = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 256,
                            "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8,
@@ -112,8 +112,8 @@ def _raw() -> dict:
 
 
 def test_plan_help_names_every_rule_set():
-    from jaxserve import cli
-    from jaxserve.layouts import RULE_SETS
+    from jaxserve.entrypoints import cli
+    from jaxserve.parallel.layouts import RULE_SETS
     plan = cli.build_parser()._subparsers._group_actions[0].choices["plan"]
     help_text = "".join(plan.format_help().split())  # argparse wraps lines at hyphens
     assert all(name in help_text for name in RULE_SETS)

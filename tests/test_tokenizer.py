@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from jaxserve.default_model import ADDED_TOKENS, NUM_BPE_RANKS, QWEN2_SPLIT_PATTERN, ensure_default_model
-from jaxserve.tokenizer import ChatTemplateUnavailable, Tokenizer
+from jaxserve.text.tokenizer import ChatTemplateUnavailable, Tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over 13 lazy dogs.",
@@ -163,12 +163,12 @@ def test_missing_model_dir_and_bad_text_raise(tmp_path, tok):
 
 
 def test_a_draft_with_another_vocabulary_is_named_and_the_same_one_passes(tmp_path):
-    """Speculative draft_model check (llm.load_engine_core): the real Qwen vocabulary against itself
+    """Speculative draft_model check (engine/loading.load_engine_core): the real Qwen vocabulary against itself
     passes; one token renamed, or an added token moved, is an error naming both directories."""
     import json
 
     from jaxserve.default_model import ensure_default_model
-    from jaxserve.tokenizer import check_same_vocabulary
+    from jaxserve.text.tokenizer import check_same_vocabulary
 
     qwen = Path(ensure_default_model())
     check_same_vocabulary(qwen, qwen)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.core.config import ModelConfig
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")

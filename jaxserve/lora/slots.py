@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.core.config import ModelConfig
 from jaxserve.lora.adapter import MODULES, LoraAdapter, shapes
 
 # one layer: module -> (a [*in, N, R], b [N, R, *out])

@@ -18,8 +18,8 @@ from typing import Callable
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxserve import sharding
-from jaxserve.config import ModelConfig
+from jaxserve.parallel import sharding
+from jaxserve.core.config import ModelConfig
 from jaxserve.model.weights import logical_dims
 
 AttentionFn = Callable[..., jax.Array]

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import ModelConfig
-from jaxserve.lora.apply import LoraInputs
+from jaxserve.core.config import ModelConfig
+from jaxserve.model.lora import LoraInputs
 from jaxserve.model.transformer import forward
 from jaxserve.model.weights import Weights
 

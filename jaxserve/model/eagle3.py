@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxserve.config import VOCAB_PAD, ModelConfig
+from jaxserve.core.config import VOCAB_PAD, ModelConfig
 from jaxserve.model import rope
 from jaxserve.model.matmul import einsum
 from jaxserve.model.param_spec import ParamSpec

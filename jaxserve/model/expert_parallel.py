@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxserve import sharding
-from jaxserve.config import ModelConfig, MoEConfig
+from jaxserve.parallel import sharding
+from jaxserve.core.config import ModelConfig, MoEConfig
 from jaxserve.model.moe import grouped_matmul, route
 from jaxserve.model.weights import LayerWeights, logical_dims
 

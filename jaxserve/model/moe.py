@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import MoEConfig
+from jaxserve.core.config import MoEConfig
 from jaxserve.model.matmul import einsum
 from jaxserve.model.weights import LayerWeights
 

@@ -13,9 +13,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxserve import kv_cache
-from jaxserve.config import ModelConfig
-from jaxserve.lora.apply import LoraInputs
+from jaxserve.model import kv_cache
+from jaxserve.core.config import ModelConfig
+from jaxserve.model.lora import LoraInputs
 from jaxserve.model.transformer import forward
 from jaxserve.model.weights import Weights
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import ModelConfig, RopeConfig
+from jaxserve.core.config import ModelConfig, RopeConfig
 
 
 def _base_exponents(dim: int) -> np.ndarray:

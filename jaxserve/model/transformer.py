@@ -15,8 +15,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import ModelConfig
-from jaxserve.lora import apply as lora_apply
+from jaxserve.core.config import ModelConfig
+from jaxserve.model import lora as lora_apply
 from jaxserve.model import rope
 from jaxserve.model.matmul import einsum
 from jaxserve.model.moe import moe_mlp

@@ -10,7 +10,7 @@ einsum strings document the math (`"td,dhk->thk"`). The vocabulary is padded to 
 
 Quantized weights: with `cfg.quantization` set, every projection (and the untied lm_head where the
 scheme says so) is declared as a qwix `QArray` whose fields are `ParamSpec`s (values, scale, zero
-point; quant/layout.py), so the same tree maps give their shardings, init and checks. Model code
+point; model/quant_layout.py), so the same tree maps give their shardings, init and checks. Model code
 multiplies through `model/matmul.py`, which takes either kind of leaf.
 """
 
@@ -25,8 +25,8 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from jaxserve import sharding
-from jaxserve.config import ModelConfig
+from jaxserve.parallel import sharding
+from jaxserve.core.config import ModelConfig
 from jaxserve.model.param_spec import ParamSpec, is_spec
 from jaxserve.quant import host as quant_host
 
@@ -97,7 +97,7 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
         spec = ParamSpec(tuple(shape), dtype, tuple(axes), "normal", tuple(contract))
         if quant is None or not quantize:
             return spec
-        from jaxserve.quant.layout import declare
+        from jaxserve.model.quant_layout import declare
         return declare(spec, quant, dtype, name)
 
     def layer(i: int) -> LayerWeights:

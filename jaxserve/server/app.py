@@ -29,7 +29,8 @@ from jaxserve.server import generation, kv_routes, lora_admin
 from jaxserve.server.errors import APIError, bad_request, internal, overloaded, too_large, unauthorized
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.grammars import request_grammar
-from jaxserve.server.protocol import parse_chat, parse_completion, parse_json_body
+from jaxserve.server.protocol import parse_completion, parse_json_body
+from jaxserve.server.chat_request import parse_chat
 from jaxserve.server.state import Loader, ServerConfig, ServerState
 
 logger = logging.getLogger("jaxserve.server")

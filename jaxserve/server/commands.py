@@ -10,10 +10,10 @@ import uuid
 from pathlib import Path
 from typing import TextIO
 
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.request import Request
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.core.config import EngineConfig, ModelConfig
+from jaxserve.core.request import Request
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.text.tokenizer import Tokenizer
 
 BENCH_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
 # `generate`'s prefill bucket when the step budget is unset: longer prompts prefill in chunks of
@@ -28,9 +28,9 @@ def generate(model: str | None, engine_cfg: EngineConfig, prompt: str, params: S
     The engine runs `generate_engine_config(engine_cfg, ...)`: one request needs only a few of the
     programs a server declares. Returns the finish reason. Raises ValueError for invalid parameters
     or prompts."""
-    from jaxserve.engine import Engine
-    from jaxserve.llm import load_with_progress, model_dir_of
-    from jaxserve.quiet import quiet_startup
+    from jaxserve.engine.async_engine import Engine
+    from jaxserve.engine.loading import load_with_progress, model_dir_of
+    from jaxserve.core.quiet import quiet_startup
     from jaxserve.server.streaming import RequestRun
 
     if params.n != 1:
@@ -104,9 +104,9 @@ def convert(src: str, dst: str, dtype: str | None = None, quantization: str | No
     import jax.numpy as jnp
 
     from checkpoints import load_model, orbax_io, resolve_model_dir
-    from jaxserve.config import ModelConfig
-    from jaxserve.llm import resolve_dtype
-    from jaxserve.sharding import make_mesh
+    from jaxserve.core.config import ModelConfig
+    from jaxserve.engine.loading import resolve_dtype
+    from jaxserve.parallel.sharding import make_mesh
 
     src_dir = resolve_model_dir(src)
     target = resolve_dtype(dtype, "float32") if dtype else jnp.dtype(ModelConfig.from_hf(src_dir).dtype)

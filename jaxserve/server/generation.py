@@ -17,7 +17,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Send
 
-from jaxserve.request import Request
+from jaxserve.core.request import Request
 from jaxserve.server import responses as R
 from jaxserve.server.chat_output import ChoiceOutput, finish_reason
 from jaxserve.server.errors import APIError, bad_request, timed_out, unavailable

@@ -11,13 +11,13 @@ from urllib.parse import urlparse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.kv_transfer import (HttpKVTransport, JaxKVTransport, KVTransport, TransferError, decode_pages,
+from jaxserve.disagg.kv_transfer import (HttpKVTransport, JaxKVTransport, KVTransport, TransferError, decode_pages,
                                   encode_pages)
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import parse_json_body
 from jaxserve.server.state import ServerState
 
-logger = logging.getLogger("jaxserve.kv_transfer")
+logger = logging.getLogger("jaxserve.disagg.kv_transfer")
 
 TRANSPORTS: dict[str, KVTransport] = {t.name: t for t in (HttpKVTransport(), JaxKVTransport())}
 

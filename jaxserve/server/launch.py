@@ -24,9 +24,9 @@ from typing import Any
 
 import uvicorn
 
-from jaxserve.config import EngineConfig
+from jaxserve.core.config import EngineConfig
 from jaxserve.default_model import DISPLAY_NAME
-from jaxserve.quiet import quiet_startup
+from jaxserve.core.quiet import quiet_startup
 from jaxserve.server.app import build_app
 from jaxserve.server.state import Loader, ServerConfig, ServerState
 
@@ -39,13 +39,13 @@ FINAL_GRACE_SECONDS = 1.0
 
 def model_loader(model: str | None, engine_cfg: EngineConfig, show_progress: bool = True,
                  followers: Any = None) -> Loader:
-    """A Loader: the model loads and every bucket compiles, with progress bars (llm.load_with_progress).
+    """A Loader: the model loads and every bucket compiles, with progress bars (engine/loading.load_with_progress).
     followers: a multi-host leader's multihost.Followers; they build the engine with the leader's
     resolved sizes and warm up alongside it, then follow its steps."""
 
     def load() -> tuple[Any, Any, Path]:
         quiet_startup()  # before transformers is imported and jax picks its backend
-        from jaxserve.llm import load_with_progress
+        from jaxserve.engine.loading import load_with_progress
 
         if followers is None:
             return load_with_progress(model, engine_cfg, show_progress)
@@ -137,7 +137,7 @@ def serve(model: str | None, engine_cfg: EngineConfig, server_cfg: ServerConfig,
     quiet_startup()
     followers = None
     if multi is not None:
-        from jaxserve.multihost import Followers
+        from jaxserve.distributed.multihost import Followers
 
         followers = Followers(multi)
     cfg = dataclasses.replace(server_cfg, on_ready=on_ready, on_load_failed=on_failed)

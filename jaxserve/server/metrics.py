@@ -193,7 +193,7 @@ class _EngineCollector(Collector):
         ]
 
     def _decode_steps(self, core: Any) -> list[Metric]:
-        """Decode-only steps by sequence bucket (engine.StepTimings.decode): sum / count of
+        """Decode-only steps by sequence bucket (engine/step_clock.StepTimings.decode): sum / count of
         decode_step_seconds is the decode step time at that batch size; the two counters, divided by
         the count, give the sequences and the KV tokens those steps read on average."""
         labels = ["model_name", "rows"]

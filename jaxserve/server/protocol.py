@@ -17,20 +17,16 @@ import logging
 import math
 from typing import Any, Literal, Protocol
 
-from jaxserve.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
-from jaxserve.server.errors import bad_request, model_not_found, server_error
+from jaxserve.core.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from jaxserve.server.errors import bad_request, model_not_found
 from jaxserve.server.structured_fields import STRUCTURED_FIELDS, parse_structured
 from jaxserve.server.tools.tags import ToolTags
-from jaxserve.server.tools.validation import validate_tool_choice, validate_tools
 from jaxserve.structured.spec import StructuredOutputs
-from jaxserve.tokenizer import ChatTemplateUnavailable
 
 logger = logging.getLogger("jaxserve.server")
 
 MAX_PROMPTS = 128              # prompts in one /v1/completions list
 MAX_CACHE_SALT_CHARS = 1024
-_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
-                                       "return_dict", "return_tensors", "tools", "documents"})
 # Every field the parsers below read; anything else in a body is logged as ignored.
 _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "logprobs", "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -126,12 +122,12 @@ def _reject_constant(name: str) -> Any:
 # ---------------------------------------------------------------- typed field readers
 
 
-def _int(body: dict, name: str, default: Any = None, lo: int | None = None, hi: int | None = None) -> Any:
+def int_field(body: dict, name: str, default: Any = None, lo: int | None = None, hi: int | None = None) -> Any:
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"'{name}' must be an integer, got {_show(value)}", name)
+        raise bad_request(f"'{name}' must be an integer, got {show(value)}", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise bad_request(f"'{name}' must be in [{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}], "
                           f"got {value}", name)
@@ -143,7 +139,7 @@ def _number(body: dict, name: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(f"'{name}' must be a number, got {_show(value)}", name)
+        raise bad_request(f"'{name}' must be a number, got {show(value)}", name)
     if isinstance(value, int) and abs(value) > 2**53:  # float() of a 400-digit int overflows
         raise bad_request(f"'{name}' is out of range", name)
     value = float(value)
@@ -152,23 +148,23 @@ def _number(body: dict, name: str, default: float) -> float:
     return value
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
+def bool_field(body: dict, name: str, default: bool) -> bool:
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be a boolean, got {_show(value)}", name)
+        raise bad_request(f"'{name}' must be a boolean, got {show(value)}", name)
     return value
 
 
 def _str(body: dict, name: str) -> str | None:
     value = body.get(name)
     if value is not None and not isinstance(value, str):
-        raise bad_request(f"'{name}' must be a string, got {_show(value)}", name)
+        raise bad_request(f"'{name}' must be a string, got {show(value)}", name)
     return value
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     text = json.dumps(value, ensure_ascii=True, default=str)
     return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
 
@@ -213,7 +209,7 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
     return out
 
 
-def _refuse(body: dict, name: str, allowed: tuple = (None,), why: str = "is not supported") -> None:
+def refuse(body: dict, name: str, allowed: tuple = (None,), why: str = "is not supported") -> None:
     if body.get(name) not in allowed:
         raise bad_request(f"'{name}' {why}", name)
 
@@ -230,7 +226,7 @@ def _model(body: dict, ctx: ModelContext) -> str:
     return model
 
 
-def _warn_ignored(body: dict, known: frozenset[str]) -> None:
+def warn_ignored(body: dict, known: frozenset[str]) -> None:
     """Unknown fields are accepted (clients send newer OpenAI fields) but never silently."""
     ignored = sorted(set(body) - known)
     if ignored:
@@ -242,24 +238,24 @@ def _sampling(body: dict, ctx: ModelContext, max_tokens: int | None, logprobs: i
               structured: StructuredOutputs | None) -> SamplingParams:
     stop_token_ids = body.get("stop_token_ids")
     params = SamplingParams(
-        n=_int(body, "n", 1),
+        n=int_field(body, "n", 1),
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
-        top_k=_int(body, "top_k", -1),
+        top_k=int_field(body, "top_k", -1),
         min_p=_number(body, "min_p", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         logit_bias=_logit_bias(body),
-        seed=_int(body, "seed", None, INT64_MIN, INT64_MAX),
+        seed=int_field(body, "seed", None, INT64_MIN, INT64_MAX),
         max_tokens=max_tokens,
-        min_tokens=_int(body, "min_tokens", 0),
+        min_tokens=int_field(body, "min_tokens", 0),
         stop=_stop(body),
         stop_token_ids=[] if stop_token_ids is None else _token_list(stop_token_ids, "stop_token_ids",
                                                                     ctx.vocab_size, allow_empty=True),
-        ignore_eos=_bool(body, "ignore_eos", False),
+        ignore_eos=bool_field(body, "ignore_eos", False),
         logprobs=logprobs,
-        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        skip_special_tokens=bool_field(body, "skip_special_tokens", True),
         structured_outputs=structured,
     )
     try:
@@ -271,7 +267,7 @@ def _sampling(body: dict, ctx: ModelContext, max_tokens: int | None, logprobs: i
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
-    stream = _bool(body, "stream", False)
+    stream = bool_field(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
         return stream, False
@@ -279,10 +275,10 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
         raise bad_request("'stream_options' must be an object", "stream_options")
     if not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    return stream, _bool(options, "include_usage", False)
+    return stream, bool_field(options, "include_usage", False)
 
 
-def _check_lengths(prompts: list[list[int]], max_tokens: int | None, ctx: ModelContext, prompt_param: str,
+def check_lengths(prompts: list[list[int]], max_tokens: int | None, ctx: ModelContext, prompt_param: str,
                    max_tokens_param: str | None) -> None:
     """A prompt that fills the context alone is the prompt's fault; prompt + a max_tokens the client
     sent over the context is that field's fault (as OpenAI and vLLM name them). `max_tokens_param`
@@ -299,7 +295,7 @@ def _check_lengths(prompts: list[list[int]], max_tokens: int | None, ctx: ModelC
                               "context_length_exceeded")
 
 
-def _common(kind: Literal["completion", "chat"], body: dict, ctx: ModelContext, max_tokens: int | None,
+def common_fields(kind: Literal["completion", "chat"], body: dict, ctx: ModelContext, max_tokens: int | None,
             logprobs: int | None) -> GenerationRequest:
     """Every field but the prompt (validated first: they are cheap, tokenization is not)."""
     model = _model(body, ctx)
@@ -312,8 +308,8 @@ def _common(kind: Literal["completion", "chat"], body: dict, ctx: ModelContext, 
         raise bad_request(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
                           "cache_salt")
     return GenerationRequest(kind, model, [], params, stream, include_usage,
-                             priority=_int(body, "priority", 0, INT64_MIN, INT64_MAX), cache_salt=salt,
-                             include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+                             priority=int_field(body, "priority", 0, INT64_MIN, INT64_MAX), cache_salt=salt,
+                             include_stop_str_in_output=bool_field(body, "include_stop_str_in_output", False),
                              structured_field=structured_field)
 
 
@@ -322,21 +318,21 @@ def _common(kind: Literal["completion", "chat"], body: dict, ctx: ModelContext, 
 
 def parse_completion(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
     """A /v1/completions body -> GenerationRequest (raises APIError(400) naming the field)."""
-    _warn_ignored(body, COMPLETION_FIELDS)
-    _refuse(body, "echo", (None, False), "= true is not supported")
-    _refuse(body, "suffix", (None, ""))
-    _refuse(body, "best_of", (None, 1), "> 1 is not supported")
+    warn_ignored(body, COMPLETION_FIELDS)
+    refuse(body, "echo", (None, False), "= true is not supported")
+    refuse(body, "suffix", (None, ""))
+    refuse(body, "best_of", (None, 1), "> 1 is not supported")
     if "max_tokens" in body and body["max_tokens"] is None:
         max_tokens = None  # explicit null: up to the context limit
     else:
-        max_tokens = _int(body, "max_tokens", 16, 1)  # OpenAI's default for completions
-    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+        max_tokens = int_field(body, "max_tokens", 16, 1)  # OpenAI's default for completions
+    logprobs = int_field(body, "logprobs", None, 0, MAX_LOGPROBS)
     if body.get("prompt") is None:
         raise bad_request("'prompt' is required", "prompt")
-    gen = _common("completion", body, ctx, max_tokens, logprobs)
+    gen = common_fields("completion", body, ctx, max_tokens, logprobs)
     gen.prompts = _completion_prompts(body, ctx)
     sent = "max_tokens" if body.get("max_tokens") is not None else None  # else the default of 16 applies
-    _check_lengths(gen.prompts, max_tokens, ctx, "prompt", sent)
+    check_lengths(gen.prompts, max_tokens, ctx, "prompt", sent)
     return gen
 
 
@@ -366,68 +362,3 @@ def _completion_prompts(body: dict, ctx: ModelContext) -> list[list[int]]:
     return out
 
 
-def parse_chat(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
-    """A /v1/chat/completions body -> GenerationRequest (raises APIError(400) naming the field, or
-    APIError(500) when the server cannot render chat templates)."""
-    _warn_ignored(body, CHAT_FIELDS)
-    _refuse(body, "functions", why="(the legacy function-calling field) is not supported; use 'tools'")
-    tools, tool_choice, parallel = _tools(body, ctx)
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, name, None, 1)
-    want = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
-    if top is not None and not want:
-        raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-    logprobs = (top or 0) if want else None
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list of message objects", "messages")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict) or any(not isinstance(k, str) or not k.isidentifier() or
-                                           k in _RESERVED_TEMPLATE_KWARGS for k in kwargs):
-        raise bad_request("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
-    add_generation_prompt = _bool(body, "add_generation_prompt", True)
-    gen = _common("chat", body, ctx, max_tokens, logprobs)
-    if tool_choice not in ("none", "auto") and gen.params.structured_outputs is not None:
-        raise bad_request(f"'tool_choice' {_show(tool_choice)} forces tool calls; it cannot be combined with "
-                          f"'{gen.structured_field}'", "tool_choice")
-    gen.tools, gen.tool_choice, gen.parallel_tool_calls = tools, tool_choice, parallel
-    if tools is not None:
-        kwargs = {**kwargs, "tools": tools}
-    try:
-        ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-    except (ValueError, TypeError) as e:
-        raise bad_request(str(e), "messages") from None
-    except ChatTemplateUnavailable as e:  # the server's fault: the cause is logged with the 500
-        raise server_error(str(e), "chat_template_unavailable") from e
-    if not ids:
-        raise bad_request("'messages' render to zero tokens", "messages")
-    gen.prompts = [ids]
-    _check_lengths(gen.prompts, max_tokens, ctx, "messages", name if max_tokens is not None else None)
-    if ctx.reasoning_parser is not None:  # where the reasoning stands when generation begins
-        gen.prompt_text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
-    return gen
-
-
-def _tools(body: dict, ctx: ModelContext) -> tuple[list[dict] | None, str | dict, bool]:
-    """(validated tools or None, tool_choice, parallel_tool_calls); OpenAI's defaults: "auto" with
-    tools, "none" without."""
-    parallel = _bool(body, "parallel_tool_calls", True)
-    raw_tools = body.get("tools")
-    try:
-        tools = validate_tools(raw_tools) if raw_tools is not None else None
-    except ValueError as e:
-        raise bad_request(str(e), "tools") from None
-    raw_choice = body.get("tool_choice")
-    if raw_choice is None:
-        raw_choice = "auto" if tools else "none"
-    try:
-        choice = validate_tool_choice(raw_choice, tools)
-    except ValueError as e:
-        raise bad_request(str(e), "tool_choice") from None
-    if not tools:
-        return None, "none", parallel
-    if choice == "auto" and not ctx.auto_tool_choice:
-        raise bad_request('tool_choice "auto" needs a server started with --enable-auto-tool-choice and '
-                          '--tool-call-parser; use "required", a named function, or "none"', "tool_choice")
-    return tools, choice, parallel

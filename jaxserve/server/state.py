@@ -28,7 +28,7 @@ from jaxserve.server.protocol import ModelContext
 from jaxserve.server.responses import TokenStrings
 
 if TYPE_CHECKING:
-    from jaxserve.engine import Engine
+    from jaxserve.engine.async_engine import Engine
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -116,7 +116,7 @@ class ServerState:
     def _load(self) -> None:
         start = time.monotonic()
         try:
-            from jaxserve.engine import Engine  # jax: only on this thread
+            from jaxserve.engine.async_engine import Engine
 
             core, tokenizer, model_dir = self.loader()
             if self.status != "loading":  # shut down while we were loading

@@ -18,8 +18,8 @@ import json
 import time
 from typing import Any, AsyncIterator
 
-from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.request import Request, TokenEvent
+from jaxserve.text.detokenizer import IncrementalDetokenizer
+from jaxserve.core.request import Request, TokenEvent
 from jaxserve.server.metrics import RequestMetrics, ServerMetrics
 from jaxserve.server.responses import TokenLogprob
 

@@ -6,7 +6,7 @@ GPU, at the shapes real models use; and its block choice, which keeps shared mem
     pip install -e '.[test,gpu]' && JAX_PLATFORMS=cpu python -m pytest -m gpu_compile
 
 Each case compiles the kernel through XLA's Triton pipeline for the compile-only H100 of
-jaxserve.gpu_target and then checks, from XLA's dump of that compile, that the kernel became sm_90a
+jaxserve.planning.gpu_target and then checks, from XLA's dump of that compile, that the kernel became sm_90a
 PTX and that the shared memory Triton gave it is within the wrapper's estimate
 (`shared_memory_bytes`), itself within the 227 KiB a block may use. The unmarked tests run in the
 default suite (CPU, Pallas interpreter).
@@ -25,7 +25,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from rpa_cases import assert_close, fresh_rng, make_case, scramble_padding
 
-from jaxserve import gpu_target
+from jaxserve.planning import gpu_target
 from kernels_pallas._checks import next_power_of_two
 from kernels_pallas.ragged_paged_attention_gpu import (
     MAX_SHARED_MEMORY,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.targets import parse_target
+from jaxserve.planning.targets import parse_target
 from kernels_pallas.ragged_paged_attention_tiled import ragged_paged_attention_tiled
 
 # (q heads, kv heads, head_dim, page_size)
@@ -56,6 +56,6 @@ def test_tiled_attention_compiles_for_tpu_v6e(shape, page_dtype):
 @pytest.mark.parametrize("page_dtype", [jnp.bfloat16, jnp.int8], ids=["bf16", "int8"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_tiled_attention_compiles_for_h100(shape, page_dtype):
-    from jaxserve.gpu_target import gpu_devices
+    from jaxserve.planning.gpu_target import gpu_devices
 
     _check(_compiled_text(gpu_devices("h100", "1x1x1")[0], shape, page_dtype))

@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rpa_cases import assert_close, fresh_rng, make_case
 
-from jaxserve.targets import parse_target
+from jaxserve.planning.targets import parse_target
 from kernels_pallas.ragged_paged_attention_reference import (
     ragged_paged_attention_reference,
 )
@@ -27,7 +27,7 @@ from kernels_pallas.ragged_paged_attention_reference import (
 # kernels_pallas/__init__ re-exports the function under the module's name: import the module.
 rpa = importlib.import_module("kernels_pallas.ragged_paged_attention_tpu")
 
-# target -> the compile-only slice it is compiled on (jaxserve/targets.py; v5p is megacore: one
+# target -> the compile-only slice it is compiled on (jaxserve/planning/targets.py; v5p is megacore: one
 # device = two TensorCores). libtpu is in the test extra: a missing one fails, it never skips.
 _TARGET_NAMES = {"v5e": "tpu-v5e:2x2", "v6e": "tpu-v6e:1x1", "v5p": "tpu-v5p:2x2x1"}
 TARGETS = tuple(_TARGET_NAMES)

@@ -15,10 +15,10 @@ import torch
 from checkpoints import load_model
 from hf_models import make_hf_model
 from jaxserve.lora.adapter import MODULES, load_adapter
-from jaxserve.lora.apply import LoraInputs
+from jaxserve.model.lora import LoraInputs
 from jaxserve.lora.slots import stack
 from jaxserve.model.dense import forward_dense
-from jaxserve.sharding import make_mesh
+from jaxserve.parallel.sharding import make_mesh
 from peft_adapters import write_adapter
 
 MAX_RANK = 16

@@ -12,8 +12,8 @@ import torch
 from checkpoints import load_model
 from engine_utils import greedy, make_core, run_all
 from hf_models import make_hf_model
-from jaxserve.request import Request
-from jaxserve.sharding import make_mesh
+from jaxserve.core.request import Request
+from jaxserve.parallel.sharding import make_mesh
 from peft_adapters import write_adapter
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7, 12, 60], [60, 3, 3, 88, 12, 19, 4]]

@@ -8,8 +8,8 @@ import torch
 import transformers
 
 from jaxserve.default_model import ensure_default_model
-from jaxserve.llm import LLM
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.core.sampling_params import SamplingParams
 from peft_adapters import write_adapter
 
 PROMPT = [9707, 11, 1879, 0, 576, 3974]

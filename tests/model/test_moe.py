@@ -14,11 +14,11 @@ from checkpoints import load_model
 from engine_utils import greedy, make_core, run_all
 from hf_models import MOE_VARIANTS, make_hf_model
 from own_process import in_own_process
-from jaxserve.layouts import RULE_SETS
+from jaxserve.parallel.layouts import RULE_SETS
 from jaxserve.model.dense import forward_dense
 from jaxserve.model.moe import grouped_matmul, route
-from jaxserve.request import Request
-from jaxserve.sharding import make_mesh
+from jaxserve.core.request import Request
+from jaxserve.parallel.sharding import make_mesh
 
 from test_parity import _hf_generate, _hf_logits, assert_logits_close
 
@@ -41,7 +41,7 @@ def test_full_sequence_logits_match_transformers(variant, tmp_path):
 def test_configs_name_the_sparse_layers():
     import dataclasses
 
-    from jaxserve.config import ModelConfig
+    from jaxserve.core.config import ModelConfig
     from jaxserve.model.weights import abstract
     from jaxserve.quant.scheme import online_scheme
 
@@ -116,7 +116,7 @@ def test_tensor_and_expert_parallel_equal_one_device(qwen3_moe, tp, rules):
     """TP inside every expert (the expert MLP width split) and expert parallelism (whole experts per
     device) give one device's logits."""
     from checkpoints.hf import load_weights
-    from jaxserve.config import ModelConfig
+    from jaxserve.core.config import ModelConfig
 
     path, _ = qwen3_moe
     cfg = ModelConfig.from_hf(path)
@@ -155,7 +155,7 @@ def test_all_to_all_expert_parallel_equals_the_unsharded_block(data, model, expe
     """Tokens dispatched to their experts' devices and back by all-to-all give moe_mlp's output."""
     from types import SimpleNamespace
 
-    from jaxserve.config import MoEConfig
+    from jaxserve.core.config import MoEConfig
     from jaxserve.model.expert_parallel import make_expert_parallel
     from jaxserve.model.moe import moe_mlp
 
@@ -191,8 +191,8 @@ def test_engine_serves_expert_parallel_layouts_like_transformers(qwen3_moe, mesh
 
 
 def test_expert_parallel_layouts_need_experts():
-    from jaxserve.config import ModelConfig
-    from jaxserve.layouts import layout_rules
+    from jaxserve.core.config import ModelConfig
+    from jaxserve.parallel.layouts import layout_rules
 
     dense = ModelConfig.from_hf({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
                                  "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from checkpoints import load_model
 from hf_models import VARIANTS, make_hf_model
 from jaxserve.model.dense import forward_dense, greedy_generate, left_pad
-from jaxserve.sharding import make_mesh
+from jaxserve.parallel.sharding import make_mesh
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [60, 3, 3, 88, 12, 19, 4, 70, 21, 11, 56, 8, 23], [14, 90, 31]]
 

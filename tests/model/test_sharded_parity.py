@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from checkpoints import load_model
 from hf_models import make_hf_model
 from jaxserve.model.dense import forward_dense, greedy_generate, left_pad
-from jaxserve.sharding import DATA_AXIS, make_mesh
+from jaxserve.parallel.sharding import DATA_AXIS, make_mesh
 
 MESHES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 4)]
 

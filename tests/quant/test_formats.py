@@ -25,7 +25,7 @@ from hf_models import make_hf_model
 from jaxserve.model import weights as W
 from jaxserve.model.dense import forward_dense
 from jaxserve.quant import host
-from jaxserve.sharding import make_mesh
+from jaxserve.parallel.sharding import make_mesh
 
 WRITERS = {
     "fp8-block": (write_fp8_block, {}, ("fp8-block", "float8_e4m3fn")),

@@ -14,14 +14,14 @@ from checkpoints import load_model
 from engine_utils import greedy, make_core, run_all, run_events
 from hf_models import VARIANTS, make_hf_model
 from paged_forward import paged_logits
-from jaxserve import kv_cache
-from jaxserve.capacity import MachineInfo, kv_bytes_per_token, plan_capacity
-from jaxserve.config import EngineConfig
-from jaxserve.engine import EngineCore
+from jaxserve.model import kv_cache
+from jaxserve.core.capacity import MachineInfo, kv_bytes_per_token, plan_capacity
+from jaxserve.core.config import EngineConfig
+from jaxserve.engine.engine_core import EngineCore
 from jaxserve.quant import kv as kv_quant
-from jaxserve.request import Request
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.sharding import make_mesh
+from jaxserve.core.request import Request
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.parallel.sharding import make_mesh
 
 GEN = 256
 # One small engine shape for every family: one forward program, and the reference attention, which
@@ -157,6 +157,6 @@ def test_kv_cache_dtype_errors_name_the_problem():
 
 
 def _tiny_cfg():
-    from jaxserve.config import ModelConfig
+    from jaxserve.core.config import ModelConfig
     from jaxserve.default_model import CONFIG
     return ModelConfig.from_hf(CONFIG)

@@ -19,15 +19,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from checkpoints import load_model, orbax_io
 from hf_models import VARIANTS, make_hf_model
-from jaxserve.config import ModelConfig
+from jaxserve.core.config import ModelConfig
 from jaxserve.model import weights as W
 from jaxserve.model.dense import forward_dense, left_pad
 from jaxserve.model.param_spec import ParamSpec
 from jaxserve.quant import host
-from jaxserve.quant.layout import flat_tile, tile_shape
+from jaxserve.model.quant_layout import flat_tile, tile_shape
 from jaxserve.quant.scheme import ONLINE, WeightQuant, online_scheme
 from jaxserve.server.commands import convert
-from jaxserve.sharding import DATA_AXIS, make_mesh
+from jaxserve.parallel.sharding import DATA_AXIS, make_mesh
 
 # max |logit - f32 logit| / max |f32 logit| on the parity families (measured: int8 <= 0.010,
 # fp8 <= 0.045, int4 <= 0.21)

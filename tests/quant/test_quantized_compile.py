@@ -11,14 +11,14 @@ import dataclasses
 
 import pytest
 
-from jaxserve.buckets import serving_programs
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.layouts import make_layout
+from jaxserve.core.buckets import serving_programs
+from jaxserve.core.config import EngineConfig, ModelConfig
+from jaxserve.parallel.layouts import make_layout
 from jaxserve.model.attention import make_attention
-from jaxserve.programs import lower_program
+from jaxserve.runner.programs import lower_program
 from jaxserve.quant.scheme import ONLINE, WeightQuant
-from jaxserve.sharding import make_mesh
-from jaxserve.targets import parse_target
+from jaxserve.parallel.sharding import make_mesh
+from jaxserve.planning.targets import parse_target
 
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 1000, "hidden_size": 1024,
          "intermediate_size": 2048, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -71,7 +71,7 @@ def test_quantized_kv_pages_compile_for_tpu_split_over_kv_heads(tpu, kv_cache_dt
 
 @pytest.fixture(scope="module")
 def h100s():
-    from jaxserve.gpu_target import gpu_devices
+    from jaxserve.planning.gpu_target import gpu_devices
 
     devices = gpu_devices("h100", "1x1x2")
     return make_mesh(1, 2, devices), make_layout("tp", 2, 2), ModelConfig.from_hf(QWEN3)

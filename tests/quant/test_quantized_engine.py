@@ -13,12 +13,12 @@ from checkpoints import load_model
 from engine_utils import greedy, make_core, run_all
 from formats import write_awq, write_gptq
 from hf_models import make_hf_model
-from jaxserve.config import ModelConfig
+from jaxserve.core.config import ModelConfig
 from jaxserve.model.dense import greedy_generate
-from jaxserve.plan import weight_bytes_per_device
+from jaxserve.planning.plan import weight_bytes_per_device
 from jaxserve.quant.scheme import ONLINE
-from jaxserve.request import Request
-from jaxserve.sharding import DEFAULT_RULES, make_mesh
+from jaxserve.core.request import Request
+from jaxserve.parallel.sharding import DEFAULT_RULES, make_mesh
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [60, 3, 3, 88, 12, 19, 4, 70, 21, 11, 56, 8, 23], [14, 90, 31]]
 
@@ -73,8 +73,8 @@ def test_planner_bytes_and_startup_block_see_the_quantization():
                                         DEFAULT_RULES)
         # the projections shrink to bits/16 of bf16 plus their scales; the rest is unchanged
         assert rest + projections * bits // 8 < quant < rest + projections * bits // 8 * 1.05
-    from jaxserve.capacity import MachineInfo, plan_capacity
-    from jaxserve.config import EngineConfig
+    from jaxserve.core.capacity import MachineInfo, plan_capacity
+    from jaxserve.core.config import EngineConfig
 
     machine = MachineInfo("cpu", "test cpu", memory_per_device=8 << 30, cpu_cores=2, cpu_isa="avx2")
     lines = plan_capacity(EngineConfig(), dataclasses.replace(cfg, quantization=ONLINE["int4"]), machine, 4).lines

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.core.config import EngineConfig
 from server_utils import MODEL, TEST_ENGINE
 
 
@@ -25,7 +25,7 @@ def xla_cache_dir() -> Path:
 @pytest.fixture(scope="session")
 def loaded_model(xla_cache_dir: Path) -> tuple[Any, Any, Path]:
     """(EngineCore, Tokenizer, model_dir) of the embedded default model, warmed up."""
-    from jaxserve.llm import load_engine_core
+    from jaxserve.engine.loading import load_engine_core
 
     cfg = EngineConfig(model_id=MODEL, compilation_cache_dir=str(xla_cache_dir), **TEST_ENGINE)
     return load_engine_core(None, cfg)

@@ -10,8 +10,8 @@ from server_utils import MODEL, client_for, start_server
 
 @pytest.fixture(scope="module")
 def tier_server():
-    from jaxserve.config import EngineConfig
-    from jaxserve.llm import load_engine_core
+    from jaxserve.core.config import EngineConfig
+    from jaxserve.engine.loading import load_engine_core
 
     cfg = EngineConfig(model_id=MODEL, num_kv_pages=24, max_model_len=256, max_num_seqs=2,
                        max_num_batched_tokens=256, kv_offload_gib=0.05)

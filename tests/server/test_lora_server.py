@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from jaxserve.config import EngineConfig
+from jaxserve.core.config import EngineConfig
 from jaxserve.default_model import ensure_default_model
 from peft_adapters import write_adapter
 from server_utils import MODEL, TEST_ENGINE, client_for, start_server
@@ -22,7 +22,7 @@ NEW = 10
 
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory):
-    from jaxserve.llm import load_engine_core
+    from jaxserve.engine.loading import load_engine_core
 
     base_dir = ensure_default_model()
     hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()

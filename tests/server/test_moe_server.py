@@ -19,9 +19,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory):
     from jaxserve.default_model import ensure_default_model
-    from jaxserve.llm import load_engine_core
-    from jaxserve.config import EngineConfig
-    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.engine.loading import load_engine_core
+    from jaxserve.core.config import EngineConfig
+    from jaxserve.text.tokenizer import Tokenizer
 
     tiny = ensure_default_model()
     vocab = Tokenizer.from_pretrained(tiny).vocab_size

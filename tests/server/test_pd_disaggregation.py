@@ -31,9 +31,9 @@ class Proxy(LiveServer):
 
 @pytest.fixture(scope="module")
 def pd():
-    from jaxserve.config import EngineConfig
-    from jaxserve.llm import load_engine_core
-    from jaxserve.router.pd_proxy import build_pd_proxy
+    from jaxserve.core.config import EngineConfig
+    from jaxserve.engine.loading import load_engine_core
+    from jaxserve.disagg.pd_proxy import build_pd_proxy
 
     def core(role: str):  # noqa: ANN202
         return load_engine_core(None, EngineConfig(model_id=MODEL, kv_role=role, **TEST_ENGINE))
@@ -185,7 +185,7 @@ def test_an_unreachable_prefill_instance_fails_the_request_clearly(pd):
 def test_a_decode_instance_that_is_gone_fails_the_request_clearly(pd):
     """The proxy's decode instance does not answer: 502 naming it; the prefill instance's pages for
     the prompt stay evictable prefix-cache pages (nothing owned, invariants hold) and it serves on."""
-    from jaxserve.router.pd_proxy import build_pd_proxy
+    from jaxserve.disagg.pd_proxy import build_pd_proxy
 
     servers, _ = pd
     prefill = servers["prefill"]

@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from jaxserve.default_model import ensure_default_model
-from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.text.detokenizer import IncrementalDetokenizer
 from jaxserve.server.reasoning import (
     REASONING_PARSERS,
     DeepSeekR1ReasoningParser,
@@ -20,7 +20,7 @@ from jaxserve.server.reasoning import (
     ReasoningParser,
     get_reasoning_parser,
 )
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.text.tokenizer import Tokenizer
 
 THINK, END_THINK = 151667, 151668
 ASSISTANT_PROMPT = "<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n"

@@ -8,14 +8,14 @@ import io
 import re
 
 import pytest
-
-from jaxserve import cli
 from server_utils import MODEL, start_server
+
+from jaxserve.entrypoints import cli, engine_args
 
 
 def engine_config(*flags: str):
     args = cli.build_parser().parse_args(["serve", *flags])
-    return cli._engine_config(args, "m")
+    return engine_args.engine_config(args, "m")
 
 
 def test_engine_flags_reach_the_engine_config():

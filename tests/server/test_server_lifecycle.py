@@ -88,7 +88,7 @@ def _serve(flags: list[str], log_path: Path) -> Iterator[tuple[subprocess.Popen,
     """`jaxserve serve --port P --no-progress FLAGS` with its output in `log_path`; (process, P).
     Killed on the way out if it is still running."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--no-progress", *flags]
+    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port", str(port), "--no-progress", *flags]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -209,7 +209,7 @@ def test_model_that_fails_to_load_is_one_clear_line_and_exit_1(tmp_path):
     """An uncached hub id: no traceback (the load runs on the server's loader thread), the message
     says how to fetch it with today's `hf` command, and the process exits non-zero."""
     env = {**_env(), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", "not/cached", "--port", "0", "--no-progress"]
+    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--model", "not/cached", "--port", "0", "--no-progress"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 1, log
@@ -227,7 +227,7 @@ def test_sigterm_while_the_model_loads_exits_0_at_once(tmp_path):
     log_path = tmp_path / "serve.log"
     with _serve(["--compilation-cache-dir", str(tmp_path / "xla")], log_path) as (proc, port):
         deadline = time.monotonic() + 120
-        while "jaxserve.model_runner" not in log_path.read_text():  # the model is loaded: warm-up begins
+        while "jaxserve.runner.model_runner" not in log_path.read_text():  # the model is loaded: warm-up begins
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.1)
         # At once: the first programs are traced and compiled now, and an exit around that aborted

@@ -1,4 +1,4 @@
-"""jaxserve.quiet: each log filter drops its one known message and keeps everything else.
+"""jaxserve.core.quiet: each log filter drops its one known message and keeps everything else.
 (The real `jaxserve serve` log is checked in test_server_lifecycle.py and
 tests/test_runtime_dependencies.py.)"""
 
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from jaxserve.quiet import quiet_startup
+from jaxserve.core.quiet import quiet_startup
 
 ACCESS = '%s - "%s %s HTTP/%s" %d'  # uvicorn's access-log format
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.core.config import EngineConfig
 from server_utils import MODEL, TEST_ENGINE, client_for, start_server
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
@@ -14,7 +14,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 
 @pytest.fixture(scope="module")
 def servers(loaded_model):
-    from jaxserve.llm import load_engine_core
+    from jaxserve.engine.loading import load_engine_core
 
     spec_model = load_engine_core(None, EngineConfig(model_id=MODEL, speculative_config=SPEC, **TEST_ENGINE))
     spec, plain = start_server(spec_model), start_server(loaded_model)

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from jaxserve.server.tools import TOOL_PARSERS
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.text.tokenizer import Tokenizer
 from server_utils import MODEL, LiveServer, client_for, start_server
 from structured_cases import MSG, SCHEMAS, TOOLS, tool_streams
 from tool_checkpoints import CHECKPOINTS, checkpoint

@@ -369,7 +369,7 @@ class Vocab:
 def vocab(request, tmp_path_factory) -> Vocab:
     llguidance_hf = pytest.importorskip("llguidance.hf")
     from jaxserve.default_model import ensure_default_model
-    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.text.tokenizer import Tokenizer
     from tool_checkpoints import checkpoint
 
     tok = Tokenizer.from_pretrained(checkpoint(request.param, ensure_default_model(), tmp_path_factory.mktemp("ckpt")))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.llm import LLM
+from jaxserve.entrypoints.llm import LLM
 
 ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=256, max_model_len=512, token_buckets=(16, 64, 256),
               seq_buckets=(16, 64), num_kv_pages=1024, page_size=16)

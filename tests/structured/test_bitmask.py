@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampler import SamplingRow, SamplingTensors, apply_bitmask, bitmask_words, sample
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.runner.sampler import apply_bitmask, bitmask_words, sample
+from jaxserve.runner.sampling_tensors import SamplingRow, SamplingTensors
+from jaxserve.core.sampling_params import SamplingParams
 
 V = 200  # not a multiple of 32: the last word is partial
 
@@ -94,8 +95,8 @@ def test_the_sampler_program_never_copies_the_logits():
     no branch of its conds may pass the logits through unchanged, or XLA copies the [R, V] logits
     at the program's entry (and again in the branch) for every batch, a greedy one included (on a
     CPU: 64 x 151,936 greedy rows 6-7 ms instead of 1.4-2)."""
-    from jaxserve.packing import pack
-    from jaxserve.programs import sample_step
+    from jaxserve.runner.packing import pack
+    from jaxserve.runner.programs import sample_step
 
     rows = 8
     x = np.zeros((rows, V + 56), np.float32)  # padded logits width, like the lm_head's

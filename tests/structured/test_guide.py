@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.sampler import bitmask_words
+from jaxserve.runner.sampler import bitmask_words
 from jaxserve.server.reasoning import get_reasoning_parser
 from jaxserve.structured import StructuredOutputs
 from jaxserve.structured.guide import fill_bitmask

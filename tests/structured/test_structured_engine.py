@@ -12,8 +12,8 @@ import re
 import jsonschema
 import pytest
 
-from jaxserve.llm import LLM
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.structured import GrammarCompiler, GrammarError, StructuredOutputs
 
 
@@ -135,7 +135,7 @@ def test_n_samples_are_distinct_valid_and_logprobs_cover_only_allowed_tokens(llm
         assert re.fullmatch("[0-9]{3}", o.text) and o.finish_reason == "stop"
         assert len(o.logprobs) == len(o.token_ids) and all(lp <= 0 for lp in o.logprobs)
     # The logprobs are of the masked distribution: at the last digit the alternatives are digits only.
-    from jaxserve.request import Request
+    from jaxserve.core.request import Request
 
     core = llm.core
     grammar = llm.grammars.compile(StructuredOutputs(regex="[0-9]{3}"))
@@ -180,7 +180,7 @@ def test_bad_constraints_raise_grammar_errors_naming_the_field(llm, spec, words)
 
 
 def test_engine_refuses_structured_outputs_without_a_compiled_grammar(llm):
-    from jaxserve.request import Request
+    from jaxserve.core.request import Request
 
     params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="a"))
     with pytest.raises(ValueError, match="compiled grammar"):

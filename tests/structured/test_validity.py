@@ -18,7 +18,7 @@ import types
 import jsonschema
 import pytest
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.structured import StructuredOutputs
 
 SAMPLES = 200
@@ -95,7 +95,7 @@ def _generate_samples() -> dict[str, list[dict]]:
     one generate call, so the batch stays full until the very end (one tail of long samples, not one
     per constraint)."""
     from conftest import ENGINE  # this directory's: the child never loads tests/conftest.py
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
 
     prompts, params, names = [], [], []
     for k, (name, spec) in enumerate(_constraints().items()):

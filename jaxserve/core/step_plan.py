@@ -1,0 +1,80 @@
+"""What one step is: the scheduler's plan handed to the model runner (StepPlan of ScheduledChunks),
+and what comes back (SampledToken per sample row). The runner side imports these, never the
+scheduler. Pure Python; no jax."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.core.request import Request, Sequence, TokenEvent
+
+PENDING_TOKEN = -1  # in ScheduledChunk.token_ids: the in-flight token sampled by the previous step
+
+
+@dataclasses.dataclass
+class SampledToken:
+    """What the model runner returns per sample row, in plan order (a chunk with d drafts has
+    d + 1 rows)."""
+
+    seq_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    seq_id: str
+    request: Request
+    sample_index: int
+    token_ids: list[int]         # tokens whose K/V this step computes (a prefill chunk or 1 decode token);
+                                 # PENDING_TOKEN: the token sampled for this sequence by the previous step
+    start_pos: int               # absolute position of token_ids[0] (= tokens already in the KV cache)
+    page_table: list[int]        # pages covering positions [0, start_pos + len(token_ids))
+    sample: bool                 # chunk ends at the sequence's last token: one token is sampled
+    output_token_ids: list[int]  # generated tokens so far; the live list, read it before update(); it lacks
+                                 # the in-flight token (its count: start_pos + len(token_ids) - prompt length)
+    lora_slot: int = -1          # multi-LoRA: the adapter's device slot (-1: the base model)
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)  # speculative: the last
+                                 # len(draft_token_ids) entries of token_ids, each also a sample row
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Sampler rows: the last 1 + len(draft_token_ids) token rows of a sampling chunk, else 0."""
+        return 1 + len(self.draft_token_ids) if self.sample else 0
+
+
+@dataclasses.dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = dataclasses.field(default_factory=list)  # 1-token chunks first
+    num_tokens: int = 0
+    # (src_page, dst_page) copies done before the step; they read the pages as they were before the
+    # step, and no page is a destination twice.
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # host KV tier (page_allocator.py): done before the copies, demotions first
+    demotions: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (device page, host slot)
+    promotions: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host slot, device page)
+    preempted: list[str] = dataclasses.field(default_factory=list)        # seq ids sent back to waiting
+    finished: list[TokenEvent] = dataclasses.field(default_factory=list)  # finishes without a step (abort)
+    # multi-LoRA: (slot, adapter name) to load into the device slots before the step runs
+    lora_loads: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    # seq_id -> the Sequence each chunk belongs to (update() must not look ids up again: a finished
+    # request's id may be reused while its last step is still in flight)
+    owners: dict[str, Sequence] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_samples(self) -> int:
+        """Sampler rows of the plan (one per sampling chunk, plus one per draft token)."""
+        return sum(c.num_sample_rows for c in self.chunks)
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(c.draft_token_ids for c in self.chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapCosts:
+    """What the scheduler weighs when it preempts with a host KV tier (the runner estimates them)."""
+
+    recompute_seconds_per_token: float  # prefill of one token again
+    move_seconds_per_page: float        # one page out to host memory and back

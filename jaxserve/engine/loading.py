@@ -1,0 +1,109 @@
+"""From a model name to a warmed-up EngineCore: the one path the server, the CLI, `LLM` and a
+multi-host follower all take (the checkpoint, the mesh and layout, the persistent compilation
+cache, the engine, its tokenizer, then the warm-up)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from checkpoints import load_model, resolve_model_dir
+from jaxserve.core.config import EngineConfig, ModelConfig, normalize_dtype_name
+from jaxserve.default_model import DISPLAY_NAME
+from jaxserve.engine.engine_core import EngineCore
+from jaxserve.parallel.layouts import layout_rules
+from jaxserve.parallel.sharding import make_mesh
+from jaxserve.text.tokenizer import Tokenizer, check_same_vocabulary
+
+
+def model_dir_of(model: str | Path | None) -> Path:
+    """A model name -> its local directory (None: the embedded default, written on first use)."""
+    if model is None:
+        from jaxserve.default_model import ensure_default_model
+        return ensure_default_model()
+    return resolve_model_dir(model)
+
+
+def resolve_dtype(requested: str | None, checkpoint_dtype: str) -> Any:
+    """float32 on CPU (bf16 matmuls are slow there), else the checkpoint's dtype; "auto" = None."""
+    if requested in (None, "auto"):
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.dtype(checkpoint_dtype)
+    return jnp.dtype(normalize_dtype_name(requested))
+
+
+def default_compilation_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve" / "xla"
+
+
+def enable_compilation_cache(directory: str | None) -> Path | None:
+    """Turns on JAX's persistent compilation cache (None: the user's cache dir; "": off), so a
+    restart loads its programs instead of compiling them. Returns the directory in use."""
+    if directory == "":
+        return None
+    path = Path(directory).expanduser() if directory is not None else default_compilation_cache_dir()
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
+                     progress: Callable[[int, int, str], None] | None = None, warmup: bool = True,
+                     tokenizer: Tokenizer | None = None) -> tuple[EngineCore, Tokenizer, Path]:
+    """Model dir (None: the embedded default) -> (warmed-up EngineCore, tokenizer, resolved dir).
+    `tokenizer`: the model's tokenizer when the caller has loaded it already."""
+    model_dir = model_dir_of(model)
+    spec = engine_cfg.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        check_same_vocabulary(model_dir, resolve_model_dir(spec.model))
+    elif spec is not None and spec.method == "eagle3":  # fails before the target loads
+        from checkpoints.eagle3 import read_config
+        read_config(spec.model, ModelConfig.from_hf(model_dir))
+    enable_compilation_cache(engine_cfg.compilation_cache_dir)
+    dtype = resolve_dtype(engine_cfg.dtype, ModelConfig.from_hf(model_dir).dtype)
+    mesh = make_mesh(*engine_cfg.mesh_shape)
+    model_cfg, weights = load_model(model_dir, mesh, dtype, engine_cfg.quantization,
+                                    layout_rules(engine_cfg.layout, ModelConfig.from_hf(model_dir)),
+                                    engine_cfg.load_format)
+    # The KV pool is filled asynchronously on the device: the tokenizer loads meanwhile.
+    core = EngineCore(model_cfg, weights, engine_cfg, mesh, dtype)
+    tokenizer = tokenizer or Tokenizer.from_pretrained(model_dir)
+    if warmup:
+        core.runner.warmup(progress)
+    return core, tokenizer, model_dir
+
+
+def load_with_progress(model: str | Path | None, engine_cfg: EngineConfig, show_progress: bool = True,
+                       tokenizer: Tokenizer | None = None,
+                       before_warmup: Callable[[EngineCore], None] | None = None) -> tuple[EngineCore, Tokenizer, Path]:
+    """load_engine_core with progress bars on stderr: one while the model loads, one tick per
+    compiled program while every bucket warms up (minutes on large models). before_warmup: called
+    with the built engine before it compiles anything."""
+    name = str(model) if model is not None else DISPLAY_NAME
+    with tqdm(total=1, desc=f"loading {name}", file=sys.stderr, disable=not show_progress) as bar:
+        core, tokenizer, model_dir = load_engine_core(model, engine_cfg, warmup=False, tokenizer=tokenizer)
+        bar.update(1)
+    if before_warmup is not None:
+        before_warmup(core)
+    compile_bar: tqdm | None = None
+
+    def progress(done: int, total: int, what: str) -> None:
+        nonlocal compile_bar
+        if compile_bar is None:
+            compile_bar = tqdm(total=total, desc="compiling", unit="program", file=sys.stderr,
+                               disable=not show_progress)
+        compile_bar.set_postfix_str(what, refresh=False)
+        compile_bar.update(done - compile_bar.n)
+
+    try:
+        core.runner.warmup(progress)
+    finally:
+        if compile_bar is not None:
+            compile_bar.close()
+    return core, tokenizer, model_dir

@@ -1,0 +1,393 @@
+"""Continuous-batching scheduler: admission, per-step token budget, stall-free chunked prefill,
+preemption by recompute, FCFS or priority order. Pure Python; touches no arrays.
+
+One step: `schedule()` -> StepPlan -> (model runs) -> `update(plan, sampled)` -> TokenEvents.
+
+Order inside a step: every running sequence with one token left (a decode) is scheduled first, one
+token each; then running sequences still prefilling continue in the leftover budget (a long prompt
+is split over steps and never holds up decodes); then waiting requests are admitted while the budget,
+`max_num_seqs` and the free pages allow (none in a step that had to preempt).
+
+n > 1 samples share the prompt's pages: admission.py says how.
+
+Asynchronous scheduling: the engine may call `schedule()` for step n+1 before `update()` of step n
+(step n still runs on the device). A sequence sampled in step n then has one in-flight token
+(`Sequence.num_inflight`): its next decode is planned anyway, with `PENDING_TOKEN` standing for the
+unknown id (the model runner substitutes the id sampled on the device). Stop conditions are still
+decided in `update()`: a sequence that stops at step n has the token of its step-n+1 decode
+discarded (no event), and one that is certain to stop by length is not planned past it. A preempted
+sequence's in-flight token is still appended by `update()` (and emitted); the sequence is re-admitted
+only once nothing of it is in flight, so its recompute prefills known tokens only.
+Pages may be freed while a dispatched step still writes into them: device steps run in order and
+nothing reads a page before writing it, so the next owner only ever sees its own K/V. A page enters
+the prefix cache only when every position it covers has a known token and its K/V is computed by a
+dispatched step (`_commit`), so its content always matches its key by the time a later step reads it.
+
+Speculative decoding (`EngineConfig.speculative_config`, n-gram proposals): a decode whose last
+token is known (nothing in flight) may carry d <= k draft tokens after it, d + 1 tokens computed and
+d + 1 rows sampled in the same step (speculative/accept.py verifies them: the rows sampled as without
+speculation, the drafts accepted while they match). Drafts need budget and free pages (a step never
+preempts for them); which decodes draft and how many is speculative/drafting.py's business (including the
+back-off of sequences whose proposals keep missing). `update()` emits
+the accepted run token by token with the usual stop checks and rolls `num_computed_tokens` back over the rejected drafts: their K/V stays in the pages
+as garbage past the sequence's length, overwritten by later steps, and never committed to the
+prefix cache (commits cover known tokens only). A speculating sequence is not planned again until
+its step is updated (its computed count runs ahead of its known tokens), so the engine completes a
+step with drafts before planning the next.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+from jaxserve.core.request import FinishReason, Sequence, SequenceStatus, TokenEvent
+from jaxserve.core.step_plan import PENDING_TOKEN, SampledToken, ScheduledChunk, StepPlan, SwapCosts
+from jaxserve.engine.admission import Admission
+from jaxserve.engine.inbox import Inbox
+from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.lora.slot_table import SlotTable
+from jaxserve.speculative.drafting import Drafting
+from jaxserve.speculative.stats import SpecDecodeStats
+
+logger = logging.getLogger("jaxserve.engine.scheduler")
+
+_CONFIG_FIELDS = ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                  "enable_prefix_caching", "scheduling_policy", "model_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_total_pages: int
+    prefix_cache_queries: int   # prompt tokens looked up at admission
+    prefix_cache_hits: int      # of those, tokens served from the cache
+    num_preemptions: int
+    lora_running: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter -> running sequences
+    lora_waiting: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter -> waiting sequences
+    lora_slot_loads: int = 0    # adapters loaded into a device slot
+    # host KV tier
+    num_host_pages: int = 0
+    num_host_pages_used: int = 0
+    host_hit_tokens: int = 0    # prompt tokens whose pages came back from the host tier (swap-ins included)
+    num_demotions: int = 0      # pages moved device -> host
+    num_promotions: int = 0     # pages moved host -> device
+    num_swap_preemptions: int = 0  # preemptions that kept the pages (swap) rather than recompute them
+    num_swapped_in_pages: int = 0  # pages a resumed preempted sequence got back from the host tier
+
+
+@dataclasses.dataclass
+class _Step:
+    plan: StepPlan
+    budget: int
+    scheduled: dict[str, ScheduledChunk] = dataclasses.field(default_factory=dict)
+    preempted: bool = False
+    cache_hit_tokens: int = 0
+    speculate: bool = False  # decodes of this step may carry drafts
+
+
+class Scheduler(Admission, Inbox):
+    def __init__(self, engine_config: Any, allocator: PageAllocator) -> None:
+        for name in _CONFIG_FIELDS:
+            if not hasattr(engine_config, name):
+                raise ValueError(f"engine config lacks '{name}'")
+        cfg = engine_config
+        if cfg.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {cfg.scheduling_policy!r}")
+        if cfg.page_size != allocator.page_size:
+            raise ValueError(f"page_size {cfg.page_size} != allocator page size {allocator.page_size}")
+        num_kv_pages = getattr(cfg, "num_kv_pages", None)
+        if num_kv_pages is not None and num_kv_pages != allocator.num_pages:
+            raise ValueError(f"num_kv_pages {num_kv_pages} != allocator pages {allocator.num_pages}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(cfg, name) is None or getattr(cfg, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (resolve unset sizes with capacity.plan_capacity), "
+                                 f"got {getattr(cfg, name)}")
+        self.config = cfg
+        self.allocator = allocator
+        self._priority = cfg.scheduling_policy == "priority"
+        # A sequence may grow to this many tokens: the model's context, or the whole pool if smaller.
+        self._context_limit = min(cfg.max_model_len, allocator.num_pages * allocator.page_size)
+        self._lock = threading.Lock()  # add/abort/finish may come from other threads
+        self._incoming: list[list[Sequence]] = []
+        self._removals: list[tuple[str, int | None, bool]] = []  # (request_id, sample_index, is_abort)
+        self._requests: dict[str, list[Sequence]] = {}
+        self._order: dict[str, int] = {}      # arrival counter: tie-break for equal arrival times
+        self._next_order = 0
+        self._seqs: dict[str, Sequence] = {}
+        self._waiting: list[list[Sequence]] = []  # admission units; [leader, pending siblings] or [seq]
+        self._running: list[Sequence] = []
+        self._num_preemptions = 0
+        self._num_swap_preemptions = 0
+        self._num_swapped_in_pages = 0
+        self.swap_costs: SwapCosts | None = None  # set by the engine when there is a host KV tier
+        self.num_discarded_tokens = 0  # sampled after their sequence had finished (async scheduling)
+        self._outstanding = 0  # plans with chunks scheduled and not yet updated
+        spec = getattr(cfg, "speculative_config", None)
+        self.drafting = Drafting(spec) if spec is not None else None
+        self.lora_slots = SlotTable(cfg.max_loras) if getattr(cfg, "enable_lora", False) else None
+        self._lora_unloaded: list[str] = []  # adapters unloaded at run time: their slots are freed in schedule()
+
+    # ---- entry points (any thread) -------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._incoming or self._removals or self._running or self._waiting)
+
+    def _num_waiting(self) -> int:
+        """Sequences waiting for admission, just added ones included."""
+        with self._lock:
+            incoming = sum(len(u) for u in self._incoming)
+        return incoming + sum(len(u) for u in self._waiting)
+
+    def stats(self) -> SchedulerStats:
+        lora_running, lora_waiting = self._lora_counts() if self.lora_slots is not None else ({}, {})
+        return SchedulerStats(
+            num_running=len(self._running), num_waiting=self._num_waiting(),
+            num_free_pages=self.allocator.num_free_pages, num_total_pages=self.allocator.num_pages,
+            prefix_cache_queries=self.allocator.stats.queries, prefix_cache_hits=self.allocator.stats.hits,
+            num_preemptions=self._num_preemptions, lora_running=dict(lora_running), lora_waiting=dict(lora_waiting),
+            lora_slot_loads=self.lora_slots.num_loads if self.lora_slots is not None else 0,
+            num_host_pages=self.allocator.num_host_pages, num_host_pages_used=self.allocator.num_host_pages_used,
+            host_hit_tokens=self.allocator.host_hit_tokens, num_demotions=self.allocator.host.num_demotions,
+            num_promotions=self.allocator.host.num_promotions, num_swap_preemptions=self._num_swap_preemptions,
+            num_swapped_in_pages=self._num_swapped_in_pages)
+
+    def _lora_counts(self) -> tuple[collections.Counter, collections.Counter]:
+        """(adapter -> running sequences, adapter -> waiting ones, just added included)."""
+        with self._lock:
+            incoming = [s for u in self._incoming for s in u]
+        waiting = [*incoming, *(s for u in self._waiting for s in u)]
+        count = lambda seqs: collections.Counter(s.request.lora_name for s in seqs if s.request.lora_name)  # noqa: E731
+        return count(self._running), count(waiting)
+
+    # ---- the step (engine thread) --------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plans the next step: applies queued aborts/finishes, then decodes, prefill continuations
+        and admissions in that order (see the module docstring). Scheduled tokens count as computed
+        from here on; their full pages enter the prefix cache in update(). At most one earlier plan
+        may still await its update() (async scheduling); raises RuntimeError otherwise."""
+        if self._outstanding > 1:
+            raise RuntimeError(f"{self._outstanding} plans await update(); async scheduling plans one "
+                               "step ahead at most")
+        st = _Step(StepPlan(), self.config.max_num_batched_tokens)
+        if self.drafting is not None:
+            self.drafting.start_step()
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+            removals, self._removals = self._removals, []
+            unloaded, self._lora_unloaded = self._lora_unloaded, []
+        for name in unloaded:
+            self.lora_slots.forget(name)
+        self._waiting.extend(incoming)
+        for request_id, sample_index, is_abort in removals:
+            self._remove(request_id, sample_index, is_abort, st.plan)
+        st.speculate = self.speculation_active()
+
+        for decode_phase in (True, False):
+            for seq in list(self._running):
+                if st.budget == 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING or seq.fork_pending or seq.seq_id in st.scheduled:
+                    continue
+                if seq.num_inflight and seq.num_tokens + seq.num_inflight >= seq.max_len:
+                    continue  # its in-flight token ends it by length: nothing more to compute
+                self._maybe_fork(seq)
+                if (seq.target_len - seq.num_computed_tokens == 1) == decode_phase:
+                    self._schedule_seq(seq, st, allow_preempt=True)
+        if not st.preempted:
+            self._admit(st)
+
+        plan = st.plan
+        moves = self.allocator.drain_transfers()
+        plan.demotions, plan.promotions = moves.demotions, moves.promotions
+        plan.chunks.sort(key=lambda c: len(c.token_ids) != 1)  # stable: 1-token chunks first
+        plan.num_tokens = sum(len(c.token_ids) for c in plan.chunks)
+        for chunk in plan.chunks:
+            seq = self._seqs[chunk.seq_id]
+            plan.owners[chunk.seq_id] = seq
+            seq.num_computed_tokens += len(chunk.token_ids)
+            if chunk.sample:
+                seq.num_inflight += 1
+        self._outstanding += bool(plan.chunks)
+        if logger.isEnabledFor(logging.DEBUG):
+            decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1 + len(c.draft_token_ids))
+            drafts = sum(len(c.draft_token_ids) for c in plan.chunks)
+            logger.debug("step: running=%d waiting=%d tokens=%d (decode %d, draft %d, prefill %d) preempted=%d "
+                         "cache_hit_tokens=%d free_pages=%d", len(self._running),
+                         sum(len(u) for u in self._waiting), plan.num_tokens, decodes, drafts,
+                         plan.num_tokens - decodes - drafts, len(plan.preempted), st.cache_hit_tokens,
+                         self.allocator.num_free_pages)
+        return plan
+
+    def update(self, plan: StepPlan, sampled: list[SampledToken]) -> list[TokenEvent]:
+        """Appends the sampled tokens (one per sample row, in plan order), applies stop conditions,
+        frees finished sequences' pages and returns one TokenEvent per appended token. A chunk with
+        drafts appends its accepted run (speculative/accept.py), stopping early where a stop condition
+        holds, and its rejected drafts stop counting as computed.
+
+        Plans are updated in the order they were scheduled. A token of a sequence that finished
+        meanwhile (a stop in the previous update, an abort or finish) is discarded without an event;
+        a token of a sequence preempted meanwhile is appended and emitted as usual."""
+        if len(sampled) != plan.num_samples:
+            raise ValueError(f"expected {plan.num_samples} sampled tokens for this plan, got {len(sampled)}")
+        rows = [c for c in plan.chunks for _ in range(c.num_sample_rows)]
+        for chunk, tok in zip(rows, sampled):
+            if tok.seq_id != chunk.seq_id:
+                raise ValueError(f"sampled token for {tok.seq_id!r} where the plan has {chunk.seq_id!r}")
+        if any(c.seq_id not in plan.owners for c in plan.chunks):
+            raise ValueError("the plan was not made by this scheduler's schedule()")
+        self._outstanding -= bool(plan.chunks)
+        events: list[TokenEvent] = []
+        it = iter(sampled)
+        for chunk in plan.chunks:
+            seq = plan.owners[chunk.seq_id]
+            toks = [next(it) for _ in range(chunk.num_sample_rows)]
+            if toks:
+                seq.num_inflight -= 1
+            drafts = chunk.draft_token_ids
+            accepted = 0
+            if drafts:
+                accepted = self.drafting.verified(seq, drafts, [t.token_id for t in toks])
+                if seq.status is SequenceStatus.RUNNING:
+                    seq.num_computed_tokens -= len(drafts) - accepted  # rejected drafts' K/V is garbage now
+            if seq.status is SequenceStatus.FINISHED:
+                self.num_discarded_tokens += len(toks[:accepted + 1])
+                continue
+            if not toks:
+                self._commit(seq)
+                continue
+            for tok in toks[:accepted + 1]:
+                seq.output_token_ids.append(tok.token_id)
+                if seq.guide is not None:
+                    seq.guide.accept(tok.token_id)
+                self._commit(seq)
+                reason = self._stop_reason(seq, tok.token_id)
+                events.append(TokenEvent(seq.request.request_id, seq.sample_index, tok.token_id, tok.logprob,
+                                         tok.top_logprobs, reason, seq.num_prompt_tokens,
+                                         seq.num_cached_prompt_tokens))
+                if reason is not None:
+                    self._retire(seq)
+                    break
+        return events
+
+    def speculation_active(self) -> bool:
+        """Whether the next step's decodes may carry drafts (speculative/drafting.py)."""
+        if self.drafting is None:
+            return False
+        return self.drafting.active(self._running, len(self._running) + self._num_waiting())
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        return self.drafting.stats if self.drafting is not None else None
+
+    # ---- admission and limits ------------------------------------------------------------------
+
+    def _schedule_seq(self, seq: Sequence, st: _Step, allow_preempt: bool) -> None:
+        """Schedules seq's next chunk within the budget, growing its pages; when the pool is dry a
+        prefill chunk shrinks to what fits, and otherwise (allow_preempt) victims are preempted."""
+        alloc = self.allocator
+        start = seq.num_computed_tokens
+        length = min(seq.target_len - start, st.budget)
+        if length <= 0:
+            return
+        drafts = self.drafting.drafts(seq, st.budget) if st.speculate and length == 1 else []
+        if drafts and alloc.pages_to_grow(seq.seq_id, start + 1 + len(drafts), start) > alloc.num_free_pages:
+            drafts = []  # speculation never takes the last pages, nor preempts anyone
+        length += len(drafts)
+        while alloc.pages_to_grow(seq.seq_id, start + length, start) > alloc.num_free_pages:
+            fit = self._tokens_that_fit(seq.seq_id, start, length)
+            if fit > 0:
+                length = fit
+                break
+            if not allow_preempt:
+                return
+            victim = max((s for s in self._running if not s.fork_pending), key=self._victim_key)
+            self._preempt(victim, st)
+            if victim is seq:
+                return
+        copies = alloc.grow(seq.seq_id, start + length, start)
+        stop = start + length - len(drafts)  # the drafts come after the sequence's last token
+        known = min(stop, seq.num_tokens)
+        token_ids = seq.token_slice(start, known) if known > start else []
+        if stop > known:  # the token sampled by the step in flight: only ever a 1-token decode
+            assert length == 1 and stop == seq.num_tokens + 1 and seq.num_inflight, (seq.seq_id, start, length)
+            token_ids.append(PENDING_TOKEN)
+        chunk = ScheduledChunk(
+            seq_id=seq.seq_id, request=seq.request, sample_index=seq.sample_index,
+            token_ids=token_ids + drafts, start_pos=start,
+            page_table=list(alloc.page_table(seq.seq_id)), sample=stop == seq.num_tokens + seq.num_inflight,
+            output_token_ids=seq.output_token_ids, lora_slot=seq.lora_slot, draft_token_ids=drafts)
+        st.plan.chunks.append(chunk)
+        st.plan.copies.extend(copies)
+        st.scheduled[seq.seq_id] = chunk
+        st.budget -= length
+
+    def set_drafts(self, plan: StepPlan, proposals: list[list[int]]) -> None:
+        """Fills the DRAFT_SLOTs of the plan's chunks (in plan order) with the draft model's
+        proposals, cut where a grammar refuses one; slots left over stop being computed."""
+        chunks = [c for c in plan.chunks if c.draft_token_ids]
+        if len(chunks) != len(proposals):
+            raise ValueError(f"{len(proposals)} proposals for {len(chunks)} chunks with draft slots")
+        for chunk, drafts in zip(chunks, proposals):
+            seq = plan.owners[chunk.seq_id]
+            slots = len(chunk.draft_token_ids)
+            drafts = Drafting.grammar_cut(seq, list(drafts[:slots]))
+            chunk.token_ids = chunk.token_ids[:len(chunk.token_ids) - slots] + drafts
+            chunk.draft_token_ids = drafts
+            seq.num_computed_tokens -= slots - len(drafts)
+            plan.num_tokens -= slots - len(drafts)
+
+    # ---- finishing -----------------------------------------------------------------------------
+
+    def _commit(self, seq: Sequence) -> None:
+        """Puts seq's newly completed full pages into the prefix cache: pages whose every token is
+        known and whose K/V a dispatched step computes (every scheduled step is dispatched before
+        the update that commits; a reader of the page runs in a later step, after the writer)."""
+        if seq.status is not SequenceStatus.RUNNING or not self.allocator.has_sequence(seq.seq_id):
+            return  # preempted: its pages are gone
+        ps = self.allocator.page_size
+        full = min(seq.num_computed_tokens, seq.num_tokens) // ps
+        if self.allocator.enable_prefix_caching and full > self.allocator.num_committed_pages(seq.seq_id):
+            self.allocator.commit(seq.seq_id, seq.token_slice(0, full * ps))
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.request.params
+        if len(seq.output_token_ids) > params.min_tokens:  # stops count only after min_tokens tokens
+            if not params.ignore_eos and token in seq.request.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+        if seq.guide is not None and seq.guide.finished:  # the grammar is complete: nothing else may follow
+            return FinishReason.STOP
+        if seq.num_tokens >= seq.max_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _retire(self, seq: Sequence) -> None:
+        """Finished: pages released (full ones stay in the prefix cache as evictable)."""
+        if self.allocator.has_sequence(seq.seq_id):
+            self.allocator.free(seq.seq_id)
+        self._release_lora(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:  # a preempted sequence's in-flight token stopped it
+            self._waiting = [u for u in ([s for s in unit if s is not seq] for unit in self._waiting) if u]
+        seq.status = SequenceStatus.FINISHED
+        if self._seqs.get(seq.seq_id) is seq:
+            del self._seqs[seq.seq_id]
+        request_id = seq.request.request_id
+        if all(s.status is SequenceStatus.FINISHED for s in self._requests[request_id]):
+            del self._requests[request_id]
+            del self._order[request_id]
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = -1

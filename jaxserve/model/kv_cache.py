@@ -1,0 +1,127 @@
+"""The device-side KV page pool: shapes, shardings, the write of new K/V into slots, page copies.
+
+Per layer one K and one V array of shape [num_pages, page_size, num_kv_heads, head_dim], split over
+KV heads on the model axis (the runner duplicates KV heads up to a wider axis, model/kv_heads.py;
+replicated when the axis does not divide them). Quantized pools (`--kv-cache-dtype`, quant/kv.py)
+store 8-bit values and per layer a K and a V scale array [num_pages, num_kv_heads, page_size]
+float32 (kernels_pallas/kv_quant.py), quantized here as they are written. A token's
+slot is `page * page_size + offset`. Padding tokens carry the out-of-bounds slot
+`num_pages * page_size` and every write uses `mode="drop"`, so padding never touches a real page.
+Pages are allocated and freed on the host (page_allocator.py); this file never decides which.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+
+from jaxserve.parallel import sharding
+from jaxserve.core.config import ModelConfig
+from jaxserve.model.weights import logical_dims
+from kernels_pallas.kv_quant import SCALE_DTYPE, is_quantized, quantize
+
+KV_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
+SCALE_AXES = ("pages", "kv_heads", "page_slots")
+
+
+class LayerKV(NamedTuple):
+    """One layer's pages: k, v [P, ps, KVH, D]; k_scales, v_scales [P, KVH, ps] f32 or None."""
+    k: jax.Array
+    v: jax.Array
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
+
+
+@struct.dataclass
+class KVPages:
+    k: list[jax.Array]  # per layer [num_pages, page_size, num_kv_heads, head_dim]
+    v: list[jax.Array]
+    k_scales: list[jax.Array] | None = None  # per layer [num_pages, num_kv_heads, page_size] (quantized)
+    v_scales: list[jax.Array] | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+    def layers(self) -> list[LayerKV]:
+        if self.k_scales is None:
+            return [LayerKV(k, v) for k, v in zip(self.k, self.v)]
+        return [LayerKV(*parts) for parts in zip(self.k, self.v, self.k_scales, self.v_scales)]
+
+    @classmethod
+    def from_layers(cls, layers: list[LayerKV]) -> "KVPages":
+        quantized = layers[0].k_scales is not None
+        return cls(k=[layer.k for layer in layers], v=[layer.v for layer in layers],
+                   k_scales=[layer.k_scales for layer in layers] if quantized else None,
+                   v_scales=[layer.v_scales for layer in layers] if quantized else None)
+
+
+def _sharding(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules, axes: tuple[str, ...]) -> NamedSharding:
+    rules = sharding.rules_for(logical_dims(cfg), mesh, rules)
+    return sharding.named(mesh, *axes, rules=rules)
+
+
+def kv_sharding(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES) -> NamedSharding:
+    return _sharding(cfg, mesh, rules, KV_AXES)
+
+
+def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, mesh: Mesh,
+             rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVPages:
+    """The pool as ShapeDtypeStructs placed on `mesh`; `dtype` is the storage dtype (8-bit: with scales)."""
+    page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(dtype),
+                                sharding=kv_sharding(cfg, mesh, rules))
+    layers = [page] * cfg.num_layers
+    if not is_quantized(dtype):
+        return KVPages(k=layers, v=layers)
+    scale = jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size), SCALE_DTYPE,
+                                 sharding=_sharding(cfg, mesh, rules, SCALE_AXES))
+    return KVPages(k=layers, v=layers, k_scales=[scale] * cfg.num_layers, v_scales=[scale] * cfg.num_layers)
+
+
+def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, mesh: Mesh,
+             rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVPages:
+    """A zeroed pool (every array its own buffer, so each can be donated)."""
+    return jax.tree.map(lambda spec: _zeros(spec.shape, spec.dtype, spec.sharding)(),
+                        abstract(cfg, num_pages, page_size, dtype, mesh, rules))
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape: tuple[int, ...], dtype: Any, placement: NamedSharding) -> Any:
+    """A program making one zeroed array placed by `placement` (every layer's pages share one: a
+    program per layer was a trace and a compile per layer at every start)."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=placement)
+
+
+def write(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
+    """k, v: [T, Hkv, hd] new entries; slot_mapping: [T] int32 (out of bounds = padding, dropped)."""
+    p, ps, h, d = layer.k.shape
+
+    def put(pages: jax.Array, scales: jax.Array | None, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        if scales is None:
+            values = x.astype(pages.dtype)
+        else:
+            values, token_scales = quantize(x, pages.dtype)                     # [T, Hkv, hd], [T, Hkv]
+            page, offset = slot_mapping // ps, slot_mapping % ps               # padding: page p -> dropped
+            scales = scales.at[page, :, offset].set(token_scales, mode="drop")
+        return pages.reshape(p * ps, h, d).at[slot_mapping].set(values, mode="drop").reshape(p, ps, h, d), scales
+
+    k_pages, k_scales = put(layer.k, layer.k_scales, k)
+    v_pages, v_scales = put(layer.v, layer.v_scales, v)
+    return LayerKV(k_pages, v_pages, k_scales, v_scales)
+
+
+def copy_pages(kv: KVPages, src: jax.Array, dst: jax.Array) -> KVPages:
+    """Copy-on-write: page dst[i] becomes a copy of page src[i] (values and scales). src, dst: [C]
+    int32; an out-of-bounds dst (padding) copies nothing."""
+    def one(pages: jax.Array) -> jax.Array:
+        return pages.at[dst].set(jnp.take(pages, src, axis=0, mode="clip"), mode="drop")
+    return jax.tree.map(one, kv)

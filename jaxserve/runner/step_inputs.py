@@ -1,0 +1,230 @@
+"""StepPlan -> fixed-bucket numpy arrays. The only place that pads.
+
+A step is one flat ragged batch: `T` token rows (a bucket >= the plan's tokens), `S` sequence rows
+(a bucket >= the plan's chunks); the rows that sample are gathered before the lm_head: at most one
+per sequence, so S of them, or with speculative decoding 1 + d per sequence with d drafts
+(`buckets.logits_buckets`: L = S, or min(T, S (1 + k)) for a step with drafts). A draft row samples as if its drafts before it had
+been emitted: its output count (seed key, min_tokens), penalty table and grammar state include them. Buckets are declared by the
+engine config as (T, S) pairs with S <= T and T <= max_num_batched_tokens, so padding never exceeds
+the step's token budget. Padding rows write to the out-of-bounds slot (dropped) and belong to no
+live sequence (`num_seqs` stops the attention there).
+
+Async scheduling: a decode whose token is still on the device (`PENDING_TOKEN` in the plan) gets
+`prev_sample_row` = its row in the previous step's sampler output; the jitted step reads the id
+from there. Its sampling row counts that token (seed key, min_tokens) without knowing its id, so a
+row that needs the ids themselves (repetition/presence/frequency penalties) cannot take one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from typing import Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+from jaxserve.core.buckets import choose_bucket, choose_logits_rows, declared_buckets
+from jaxserve.core.config import EngineConfig
+from jaxserve.runner.sampler import bitmask_words
+from jaxserve.runner.sampling_tensors import SamplingRow, SamplingTensors
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.step_plan import PENDING_TOKEN, ScheduledChunk, StepPlan
+from jaxserve.structured.guide import fill_bitmask
+
+
+class StepArrays(NamedTuple):
+    token_ids: np.ndarray      # [T] int32
+    positions: np.ndarray      # [T] int32
+    token_seq: np.ndarray      # [T] int32  sequence row of each token (padding -> 0)
+    slot_mapping: np.ndarray   # [T] int32  page * page_size + offset; padding -> num_pages * page_size
+    cu_q_lens: np.ndarray      # [S + 1] int32
+    seq_lens: np.ndarray       # [S] int32  tokens in the cache after this step
+    page_tables: np.ndarray    # [S, max_pages_per_seq] int32
+    num_seqs: np.ndarray       # [1] int32
+    logits_index: np.ndarray   # [L] int32  token rows that sample (padding -> 0)
+    prev_sample_row: np.ndarray  # [T] int32  -1: token_ids holds the id; r >= 0: the id sampled at
+                                 # row r of the previous step (an in-flight token)
+    lora_slot: np.ndarray | None = None  # [T] int32 multi-LoRA: the token's adapter slot, -1 = base
+                                         # model; None when LoRA is off
+
+
+class EagleShift(NamedTuple):
+    """What an EAGLE-3 head reads beside each token row (eagle_runner.py): the token after it."""
+    token_ids: np.ndarray      # [T] int32  the next token where the host knows it (prompt), else 0
+    sample_row: np.ndarray     # [T] int32  r >= 0: the next token is this step's sampled id at row r
+
+
+class StepInputs(NamedTuple):
+    arrays: StepArrays
+    sampling: SamplingTensors
+    num_samples: int           # leading rows of the sampler output that are real
+    copies: np.ndarray         # [C, 2] int32 (src, dst) page copies before the step; may be empty
+    eagle_shift: EagleShift | None = None  # with an EAGLE-3 head only
+
+
+class StepInputBuilder:
+    def __init__(self, cfg: EngineConfig, num_pages: int, vocab_size: int, eagle: bool = False) -> None:
+        """eagle: also build each step's EagleShift (an EAGLE-3 head proposes)."""
+        self.cfg = cfg
+        self.eagle = eagle
+        self.num_pages = num_pages
+        self.vocab_size = vocab_size
+        self.buckets = declared_buckets(cfg)
+        self.pad_slot = num_pages * cfg.page_size
+
+    def build(self, plan: StepPlan, prev_plan: StepPlan | None = None) -> StepInputs:
+        """Every request arrives seeded (the engine draws a seed when the user gave none); sample i
+        of a request uses seed + i, so the n samples differ and each is reproducible.
+
+        `prev_plan` is the step dispatched just before this one; it is needed when `plan` has
+        PENDING_TOKEN decodes (their ids are that step's sampled ids). Raises ValueError when a
+        pending token has no row there, or belongs to a row that needs output ids (penalties)."""
+        chunks = plan.chunks
+        t_bucket, s_bucket = choose_bucket(self.buckets, plan.num_tokens, len(chunks))
+        l_bucket = choose_logits_rows(self.cfg, t_bucket, s_bucket, plan.num_samples)
+        ps = self.cfg.page_size
+        token_ids = np.zeros(t_bucket, np.int32)
+        positions = np.zeros(t_bucket, np.int32)
+        token_seq = np.zeros(t_bucket, np.int32)
+        slots = np.full(t_bucket, self.pad_slot, np.int32)
+        cu = np.zeros(s_bucket + 1, np.int32)
+        seq_lens = np.zeros(s_bucket, np.int32)
+        page_tables = np.zeros((s_bucket, self.cfg.max_pages_per_seq), np.int32)
+        logits_index = np.zeros(l_bucket, np.int32)
+        prev_row = np.full(t_bucket, -1, np.int32)
+        lora_slot = np.full(t_bucket, -1, np.int32) if self.cfg.enable_lora else None
+        shift = EagleShift(np.zeros(t_bucket, np.int32), np.full(t_bucket, -1, np.int32)) if self.eagle else None
+        prev_spans: dict[str, tuple[int, int, int]] | None = None
+        rows: list[SamplingRow] = []
+        t = 0
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            pos = np.arange(c.start_pos, c.start_pos + n, dtype=np.int32)
+            table = np.asarray(c.page_table, np.int32)
+            token_ids[t:t + n] = c.token_ids
+            if lora_slot is not None:
+                lora_slot[t:t + n] = c.lora_slot
+            if c.token_ids[-1] == PENDING_TOKEN:  # only ever a 1-token decode
+                if prev_spans is None:
+                    prev_spans = sampler_spans(prev_plan)
+                # a chunk with drafts emits an accepted run: the engine completes its step before planning on it
+                row = row_that_sampled(prev_spans, c) if prev_spans.get(c.seq_id, (0, 0, 0))[2] == 1 else None
+                if row is None:
+                    raise ValueError(f"{c.seq_id!r} decodes a pending token that the previous step did not sample")
+                token_ids[t + n - 1] = 0
+                prev_row[t + n - 1] = row
+            positions[t:t + n] = pos
+            token_seq[t:t + n] = i
+            slots[t:t + n] = table[pos // ps] * ps + pos % ps
+            page_tables[i, : len(table)] = table
+            seq_lens[i] = c.start_pos + n
+            if shift is not None:
+                _shift_chunk(shift, t, c, plan, len(rows))
+            t += n
+            cu[i + 1] = t
+            if c.sample:
+                outputs = _outputs_before_sample(c)
+                for j in range(c.num_sample_rows):  # the last token, then each draft
+                    logits_index[len(rows)] = t - c.num_sample_rows + j
+                    rows.append(SamplingRow(c.request.params, c.request.params.seed + c.sample_index,
+                                            c.request.prompt_token_ids,
+                                            [*outputs, *c.draft_token_ids[:j]] if j else outputs,
+                                            c.request.eos_token_ids, c.request.grammar is not None))
+        cu[len(chunks) + 1:] = t
+        arrays = StepArrays(token_ids, positions, token_seq, slots, cu, seq_lens, page_tables,
+                            np.array([len(chunks)], np.int32), logits_index, prev_row, lora_slot)
+        sampling = SamplingTensors.from_rows(rows, l_bucket, self.vocab_size)
+        copies = np.asarray(plan.copies, np.int32).reshape(-1, 2)
+        return StepInputs(arrays, sampling, len(rows), copies, shift)
+
+
+def _shift_chunk(shift: EagleShift, t: int, c: ScheduledChunk, plan: StepPlan, first_row: int) -> None:
+    """The token after each of the chunk's rows (at token rows t..): a row that samples reads its
+    sampled id (a draft row's sample, not its draft: where verification stops, the sample is the
+    token that follows); the others the next prompt (or recomputed) token."""
+    n, sampled = len(c.token_ids), c.num_sample_rows
+    if sampled:
+        shift.token_ids[t:t + n - sampled] = c.token_ids[1:n - sampled + 1]
+        shift.sample_row[t + n - sampled:t + n] = np.arange(first_row, first_row + sampled)
+    else:  # a prefill chunk that does not end its prompt: the next one is known
+        after = plan.owners[c.seq_id].token_slice(c.start_pos + n, c.start_pos + n + 1) or [0]
+        shift.token_ids[t:t + n] = [*c.token_ids[1:], *after]
+
+
+def has_constrained_rows(plan: StepPlan) -> bool:
+    return any(c.sample and c.request.grammar is not None for c in plan.chunks)
+
+
+def constraint_bitmask(plan: StepPlan, num_rows: int, vocab_size: int) -> np.ndarray | None:
+    """[num_rows, ceil(vocab_size / 32)] int32 token masks of the plan's sample rows (in row order)
+    from their sequences' grammar state, all ones for unconstrained rows; None when no row is
+    constrained. Every token sampled before this step must have been applied (scheduler.update)."""
+    if not has_constrained_rows(plan):
+        return None
+    guides = []
+    for c in plan.chunks:
+        if c.sample:
+            guide = plan.owners[c.seq_id].guide
+            guides.append(guide)
+            guides.extend(guide.advanced(c.draft_token_ids[:j]) if guide is not None else None
+                          for j in range(1, c.num_sample_rows))
+    return fill_bitmask(guides, num_rows, bitmask_words(vocab_size))
+
+
+def needs_output_ids(params: SamplingParams) -> bool:
+    """Whether sampling this row reads its output token ids (not only their count)."""
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
+
+
+def sampler_spans(plan: StepPlan | None) -> dict[str, tuple[int, int, int]]:
+    """seq_id -> (position of its first sampling token row, its first row in the plan's sampler
+    output, how many rows) for each chunk of `plan` that samples."""
+    spans, row = {}, 0
+    for c in plan.chunks if plan is not None else ():
+        if c.sample:
+            spans[c.seq_id] = (c.start_pos + len(c.token_ids) - c.num_sample_rows, row, c.num_sample_rows)
+        row += c.num_sample_rows
+    return spans
+
+
+def row_that_sampled(spans: dict[str, tuple[int, int, int]], c: ScheduledChunk) -> int | None:
+    """The sampler row (of the plan `spans` describes) that sampled chunk c's first token, at
+    start_pos: the row that computed start_pos - 1; None when that plan did not."""
+    first, base, count = spans.get(c.seq_id, (0, 0, 0))
+    return base + c.start_pos - 1 - first if first <= c.start_pos - 1 < first + count else None
+
+
+def _outputs_before_sample(c: ScheduledChunk) -> Sequence[int]:
+    """The output tokens before the one this chunk samples. With async scheduling the live list
+    lags by the in-flight tokens; their count is known from the positions, their ids are not."""
+    count = c.start_pos + len(c.token_ids) - len(c.draft_token_ids) - len(c.request.prompt_token_ids)
+    live = c.output_token_ids
+    if count == len(live):
+        return live
+    if needs_output_ids(c.request.params):
+        raise ValueError(f"{c.seq_id!r} samples with penalties over {count - len(live)} output token(s) "
+                         "still in flight; the engine must finish the previous step first")
+    return _PendingOutputs(live, count)
+
+
+class _PendingOutputs(SequenceABC):
+    """`live` followed by in-flight tokens of unknown id (-1): right length, ids never read."""
+
+    def __init__(self, live: list[int], count: int) -> None:
+        self._live = live
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return list(self)[i]
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._live
+        yield from [-1] * (self._count - len(self._live))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.full(self._count, -1, dtype or np.int64)
+        out[: len(self._live)] = self._live
+        return out

@@ -1,4 +1,0 @@
-"""Speculative decoding: the `--speculative-config` description (config.py), the n-gram prompt-lookup
-proposer (ngram.py, host numpy) that the scheduler asks for drafts, verification of one-hot drafts by
-sampling their rows (accept.py, host), speculative sampling against a draft distribution
-(rejection.py, jnp: for proposers that come with one) and the counters (stats.py)."""
