@@ -7,6 +7,7 @@ never holds more than its shard of the weights plus one tensor in flight.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -90,8 +91,9 @@ def _header(file: Path) -> tuple[int, dict[str, dict]]:
     return n, entries
 
 
-def _memmap(file: Path, header_len: int, name: str, entry: dict) -> np.ndarray:
+def _memmap(file: Path, header_len: int, entries: dict[str, dict], name: str) -> np.ndarray:
     """One tensor as a read-only memory map at its offsets: nothing is read until an element is."""
+    entry = entries[name]
     if entry["dtype"] not in _RAW_DTYPES:
         raise ValueError(f"tensor {name!r} in {file.name} has unsupported dtype {entry['dtype']}")
     start, end = entry["data_offsets"]
@@ -103,16 +105,16 @@ def _iter_tensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, 
     """(name, read) per tensor; lazy: read returns a memory map (see _memmap). Each file's header is
     parsed once, however many tensors are read from it."""
     for file in files:
-        header_len, entries = _header(file)
+        header = functools.cache(functools.partial(_header, file))  # parsed on the first mapped read only
         with safe_open(str(file), framework="numpy") as f:
             for name in f.keys():
-                def read(f=f, name=name, file=file) -> np.ndarray:
+                def read(f=f, name=name, file=file, header=header) -> np.ndarray:
                     if lazy:
-                        return _memmap(file, header_len, name, entries[name])
+                        return _memmap(file, *header(), name)
                     try:
                         return f.get_tensor(name)
                     except (AttributeError, TypeError, ValueError):  # numpy has no float8
-                        return np.array(_memmap(file, header_len, name, entries[name]))
+                        return np.array(_memmap(file, *header(), name))
                 yield name, read
 
 

@@ -24,8 +24,8 @@ host: they read device pages before the step rewrites them), then promotions (ho
 then the copy-on-write copies. A host page promoted in a step is not reused until the next drain,
 so no demotion of the same step overwrites it before its promotion has read it. A preempted
 sequence's committed pages are cached like any other: with a host tier its resumption promotes
-them back instead of recomputing (swap), unless the scheduler drops them (`forget`).
-Host states: free, cached (in the host LRU), reserved (promoted this step).
+them back instead of recomputing (swap), unless the scheduler drops them (`forget`). The host
+pages' own bookkeeping is host_tier_index.py.
 """
 
 from __future__ import annotations

@@ -69,24 +69,24 @@ class HostTier:
         self._slots: dict[int, tuple[Any, int]] = {}  # host slot -> (run, row)
         self._runs: dict[int, tuple[Any, set[int]]] = {}  # id(run) -> (run, the slots referring to it)
         self.capacity = capacity
-
-    @property
-    def held_pages(self) -> int:
-        """Pages' worth of host memory the held runs take (live rows and dead ones)."""
-        return sum(run.k[0].shape[0] for run, _ in self._runs.values())
+        self.held_pages = 0  # pages' worth of host memory the held runs take (live rows and dead ones)
 
     def _refer(self, slot: int, run: Any, row: int) -> None:
         self._release(slot)
         self._slots[slot] = (run, row)
-        self._runs.setdefault(id(run), (run, set()))[1].add(slot)
+        if id(run) not in self._runs:
+            self._runs[id(run)] = (run, set())
+            self.held_pages += run.k[0].shape[0]
+        self._runs[id(run)][1].add(slot)
 
     def _release(self, slot: int) -> tuple[Any, int] | None:
         held = self._slots.pop(slot, None)
         if held is not None:
-            slots = self._runs[id(held[0])][1]
+            run, slots = self._runs[id(held[0])]
             slots.discard(slot)
             if not slots:
-                del self._runs[id(held[0])]
+                del self._runs[id(run)]
+                self.held_pages -= run.k[0].shape[0]
         return held
 
     def _compact(self) -> None:
