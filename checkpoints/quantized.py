@@ -14,9 +14,11 @@ Formats (what the writers of each format put in a checkpoint, per their publishe
   int32 [I / g, O * bits / 32] packed along the outputs; `scales` [I / g, O]; `g_idx` [I].
   Version 1 checkpoints (`checkpoint_format: gptq`) store zero - 1; version 2 the zero itself.
 - compressed-tensors: `pack-quantized` `weight_packed` int32 [O, I * bits / 32] (signed values
-  offset by 2^(bits-1), lowest bits first), `weight_scale` [O, I / g] or [O, 1], `weight_shape`;
-  `int-quantized` / `float-quantized` `weight` int8 / float8 [O, I] with `weight_scale` [O, 1]
-  (channel) or [1] (tensor).
+  offset by 2^(bits-1), lowest bits first), `weight_scale` [O, I / g] or [O, 1], `weight_shape`,
+  and for asymmetric weights `weight_zero_point` int32 [O * bits / 32, I / g] packed along the
+  outputs the same way; value = (q - zero) * scale. `int-quantized` / `float-quantized` `weight`
+  int8 (4- or 8-bit values) / float8 [O, I] with `weight_scale` [O, 1] (channel), [1] (tensor) or
+  [O / bo, I / bi] (block).
 """
 
 from __future__ import annotations
@@ -87,24 +89,44 @@ def _gptq(parts: dict[str, np.ndarray], q: WeightQuant, name: str) -> tuple[Any,
     return _zero_point_parts(values.astype(q.dtype), zeros[:, : parts["scales"].shape[1]], parts, "GPTQ", name)
 
 
+def _ct_signed(unsigned: np.ndarray, bits: int) -> np.ndarray:
+    """compressed-tensors packs signed values offset by 2^(bits-1)."""
+    return unsigned.astype(np.int16) - (1 << (bits - 1))
+
+
+def _ct_scale(scale: np.ndarray, q: WeightQuant, o: int, i: int, name: str) -> np.ndarray:
+    """weight_scale [O, I / g], [O, 1], [1] or, block-wise, [O / bo, I / bi] -> [I / tile, O / tile]."""
+    scale = np.asarray(scale)
+    if q.per_tensor:
+        return scale.reshape(1, 1)
+    if q.block:
+        bi, bo = q.block
+        if o % bo or i % bi or scale.shape != (o // bo, i // bi):
+            raise ValueError(f"{name}.weight_scale has shape {scale.shape}; a [{o}, {i}] weight in {bo}x{bi} "
+                             f"blocks needs {(-(-o // bo), -(-i // bi))}")
+        return scale.T
+    scale = scale.reshape(o, -1)
+    _tiles(i, scale.shape[1], name)
+    return scale.T
+
+
 def _ct_packed(parts: dict[str, np.ndarray], q: WeightQuant, name: str) -> tuple[Any, Any, Any]:
     bits = q.bits
     o, i = (int(x) for x in np.asarray(parts["weight_shape"]).reshape(-1))
-    unsigned = unpack_int32(parts["weight_packed"], bits, axis=1)[:, :i]          # [O, I]
-    values = (unsigned.astype(np.int16) - (1 << (bits - 1))).astype(q.dtype)
-    scale = np.asarray(parts["weight_scale"]).reshape(o, -1)
-    _tiles(i, scale.shape[1], name)
-    return values.T, scale.T, None
+    values = _ct_signed(unpack_int32(parts["weight_packed"], bits, axis=1)[:, :i], bits).astype(q.dtype)  # [O, I]
+    scale = _ct_scale(parts["weight_scale"], q, o, i, name)
+    zero = None
+    if q.zero_point:  # asymmetric: zero points [O, I / g] packed along the outputs
+        zero = _ct_signed(unpack_int32(parts["weight_zero_point"], bits, axis=0)[:o], bits).T
+        if zero.shape != scale.shape:
+            raise ValueError(f"{name}.weight_zero_point unpacks to {zero.shape[::-1]}, expected {scale.shape[::-1]}")
+    return values.T, scale, zero
 
 
 def _ct_plain(parts: dict[str, np.ndarray], q: WeightQuant, name: str) -> tuple[Any, Any, Any]:
     w = parts["weight"]
     o, i = w.shape
-    scale = np.asarray(parts["weight_scale"])
-    scale = scale.reshape(1, 1) if q.per_tensor else scale.reshape(o, -1)
-    if not q.per_tensor:
-        _tiles(i, scale.shape[1], name)
-    return w.astype(q.dtype).T, scale.T, None
+    return w.astype(q.dtype).T, _ct_scale(parts["weight_scale"], q, o, i, name), None
 
 
 # checkpoint_format -> (tensor parts that make one Linear, parts read and ignored, unpacker)
@@ -130,6 +152,8 @@ def parts_of(q: WeightQuant) -> tuple[tuple[str, ...], tuple[str, ...]]:
     needed, ignored, _ = FORMATS[q.checkpoint_format]
     if q.act_order:  # g_idx then says where each input row goes
         return needed + ("g_idx",), tuple(p for p in ignored if p != "g_idx")
+    if q.zero_point and q.checkpoint_format == "pack-quantized":
+        return needed + ("weight_zero_point",), ignored
     return needed, ignored
 
 

@@ -87,24 +87,31 @@ def _compressed_tensors(qc: dict[str, Any]) -> WeightQuant:
         raise _fail(f"compressed-tensors 'actorder' {w['actorder']!r} is not supported yet")
     if w.get("dynamic"):
         raise _fail("compressed-tensors dynamic weight quantization is not a stored format")
-    if not w.get("symmetric", True):
-        raise _fail("compressed-tensors asymmetric weights (zero points) are not supported yet")
+    asymmetric = not w.get("symmetric", True)
+    if asymmetric and fmt != "pack-quantized":
+        raise _fail(f"compressed-tensors asymmetric weights are supported in pack-quantized only, not {fmt!r}")
     _check_exceptions(qc, "ignore")
-    per = dict(group_size=w.get("group_size") if strategy == "group" else None, per_tensor=strategy == "tensor")
-    if strategy not in ("channel", "group", "tensor"):
-        raise _fail(f"compressed-tensors weight 'strategy' {strategy!r} is not supported (channel, group, tensor)")
-    if strategy == "group" and not isinstance(per["group_size"], int):
+    if strategy not in ("channel", "group", "tensor", "block"):
+        raise _fail(f"compressed-tensors weight 'strategy' {strategy!r} is not supported (channel, group, tensor, "
+                    "block)")
+    if strategy == "group" and not isinstance(w.get("group_size"), int):
         raise _fail(f"compressed-tensors 'group_size' {w.get('group_size')!r} is not a positive integer")
-    if fmt == "pack-quantized":
-        if kind != "int" or bits not in (4, 8):
-            raise _fail(f"compressed-tensors pack-quantized {kind} {bits}-bit weights are not supported (int 4 or 8)")
+    block = w.get("block_structure") if strategy == "block" else None
+    if strategy == "block" and (not isinstance(block, list) or len(block) != 2):
+        raise _fail(f"compressed-tensors 'block_structure' {block!r} is not [output rows, input columns]")
+    # block_structure is [output, input]; WeightQuant.block is (contraction, output)
+    per = dict(group_size=w.get("group_size") if strategy == "group" else None, per_tensor=strategy == "tensor",
+               block=(int(block[1]), int(block[0])) if block else None, zero_point=asymmetric)
+    if fmt == "pack-quantized" and kind == "int" and bits in (4, 8) and not block:
         return WeightQuant("compressed-tensors", "int4" if bits == 4 else "int8", checkpoint_format=fmt, **per)
-    if fmt in ("int-quantized", "naive-quantized") and kind == "int" and bits == 8:
-        return WeightQuant("compressed-tensors", "int8", checkpoint_format="int-quantized", **per)
+    if fmt in ("int-quantized", "naive-quantized") and kind == "int" and bits in (4, 8):
+        # 4-bit values stored one per int8 (what compressed-tensors writes when activations are quantized too)
+        return WeightQuant("compressed-tensors", "int4" if bits == 4 else "int8", checkpoint_format="int-quantized",
+                           **per)
     if fmt in ("float-quantized", "naive-quantized") and kind == "float" and bits == 8:
         return WeightQuant("compressed-tensors", "float8_e4m3fn", checkpoint_format="float-quantized", **per)
-    raise _fail(f"compressed-tensors format {fmt!r} with {kind} {bits}-bit weights is not supported "
-                "(pack-quantized int4/int8, int-quantized int8, float-quantized fp8)")
+    raise _fail(f"compressed-tensors format {fmt!r} with {kind} {bits}-bit {strategy} weights is not supported "
+                "(pack-quantized int4/int8, int-quantized int4/int8, float-quantized fp8)")
 
 
 _METHODS = {"fp8": _fp8, "awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors}

@@ -1,12 +1,11 @@
-"""Pre-quantized Hugging Face checkpoints: each format, written by our own writer (tests/quant/formats.py,
-following the format's published layout), loads to exactly the reference dequantisation of its packed
-tensors, and the model's logits equal transformers' on those dequantized weights.
+"""Pre-quantized Hugging Face checkpoints in the layouts no reference packer installs here for: fp8
+blocks (DeepSeek / Qwen3-FP8), GPTQ version 2, 8-bit and activation order, and AWQ / GPTQ variants
+beyond auto-round's exports. Each is written by our own writer (tests/quant/formats.py, following the
+format's published layout), loads to exactly the reference dequantisation of its packed tensors, and
+the model's logits equal transformers' on those dequantized weights.
 
-transformers itself cannot load these checkpoints here: AWQ and GPTQ need the autoawq / gptqmodel
-packages and their GPU kernels, compressed-tensors needs the `compressed-tensors` package (torch-based,
-not installed), and the fine-grained FP8 path needs a GPU. The oracle is therefore the transformers
-model (the same tiny checkpoint in float32) with every projection replaced by the format's
-dequantisation, which is what those loaders compute before their matmuls.
+Checkpoints packed and read back by the formats' own libraries (compressed-tensors, auto-round's GPTQ
+and AWQ) are tests/quant/test_reference_packers.py: those catch a misreading these writers share.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ import torch
 
 import jax.numpy as jnp
 from checkpoints import load_model
-from formats import (write_awq, write_ct_fp8_tensor, write_ct_int8_channel, write_ct_pack_quantized,
-                     write_fp8_block, write_gptq)
+from formats import write_awq, write_fp8_block, write_gptq
 from hf_models import make_hf_model
 from jaxserve.model import weights as W
 from jaxserve.model.dense import forward_dense
@@ -36,10 +34,6 @@ WRITERS = {
     "gptq-v1-sym-4bit-desc-act": (write_gptq, dict(bits=4, act_order=True), ("gptq", "uint4")),
     "gptq-v2-asym-8bit-desc-act-g128": (write_gptq, dict(bits=8, group=128, sym=False, version=2, act_order=True),
                                         ("gptq", "uint8")),
-    "ct-w4a16-group": (write_ct_pack_quantized, dict(bits=4, group=64), ("compressed-tensors", "int4")),
-    "ct-w8a16-channel-packed": (write_ct_pack_quantized, dict(bits=8, group=None), ("compressed-tensors", "int8")),
-    "ct-int8-channel": (write_ct_int8_channel, {}, ("compressed-tensors", "int8")),
-    "ct-fp8-tensor": (write_ct_fp8_tensor, {}, ("compressed-tensors", "float8_e4m3fn")),
 }
 NAMES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
          "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
