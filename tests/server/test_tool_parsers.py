@@ -28,6 +28,7 @@ from jaxserve.server.tools import (
     validate_tools,
 )
 from jaxserve.server.tools.base import arguments_schema
+from jaxserve.server.tools.call_scanner import CallScanner
 from jaxserve.server.tools.tags import ToolTags
 
 WEATHER = {"type": "function", "function": {
@@ -247,6 +248,9 @@ STREAM_TEXTS = [
     "no calls at all, but a < and a </ and <tool and trailing space  \n",
     '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call> then ' + call("get_time", '{"a": 1}'),
     'a<tool_call>bad</tool_call>\n\n' + call("get_time", "{}") + "\n\n<tool_call>\n{\"name\":",
+    # broken before the name: never announced, so content for streaming as for parse
+    '<tool_call>\n{"arguments": {x}, "name": "get_weather"}\n</tool_call> ' + call("get_time", "{}"),
+    '<tool_call>{"arguments": {"a": 01}, "name": "get_time"}</tool_call>',
 ]
 
 
@@ -322,6 +326,45 @@ def test_streaming_commits_early_and_documents_the_difference():
     # Before that point nothing is announced, so streaming and parse agree.
     early = '<tool_call>\n{"name": "get_weather", "argu'
     assert stream(list(early)) == (early, []) and parse(early) == (early, [])
+
+
+def test_arguments_stop_streaming_where_they_stop_being_json():
+    # Committed, the call keeps what was valid; the character that breaks the JSON and all after it
+    # are dropped (they were streamed before).
+    for bad, kept in [(' x, "n": 1}}', ' '), ('1}}', ''), (', }}', ', '), ('}, "name": "again"}', '}')]:
+        text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"' + bad + "\n</tool_call>"
+        for chunks in ([text], list(text)):
+            content, deltas = stream(chunks)
+            assert (content, assembled(deltas)) == ("", [("get_weather", '{"city": "Paris"' + kept)]), (bad, chunks)
+        assert parse(text) == (text, [])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                    | st.text(max_size=6),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                    max_leaves=8),
+       st.integers(min_value=0, max_value=10_000), st.sampled_from(list('x,:}]{["0-.e+tn\\ \n\x01')))
+def test_scanner_rejects_exactly_what_json_rejects(value, where, char):
+    """A call's JSON with one character replaced: the scanner finds an error iff json.loads does,
+    and never before the first character where the text stops being a beginning of valid JSON."""
+    good = json.dumps({"name": "f", "arguments": {"v": value}}, indent=where % 3 or None)
+    i = where % len(good)
+    text = good[:i] + char + good[i + 1:]
+    scanner = CallScanner()
+    scanner.feed(good)
+    assert not scanner.error and scanner.closed and scanner.result(good) is not None
+    scanner = CallScanner()
+    scanner.feed(text)
+    try:
+        json.loads(text)
+        valid = True
+    except ValueError:
+        valid = False
+    assert (not scanner.error and scanner.closed) == valid, text
+    prefix = CallScanner()
+    prefix.feed(text[:i])
+    assert not prefix.error, text[:i]  # the unchanged beginning is never refused
 
 
 def test_parse_as_streamed_keeps_a_cut_call_a_call():

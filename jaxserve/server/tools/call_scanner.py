@@ -17,12 +17,36 @@ def partial_tag_len(buf: str, tag: str) -> int:
     return 0
 
 
-class CallScanner:
-    """Reads a block's JSON one character at a time: finds the top-level "name" and "arguments"
-    values while they are written, so arguments can stream before the object is complete.
+DIGITS = "0123456789"
+HEX = DIGITS + "abcdefABCDEF"
+LITERALS = {"t": "true", "f": "false", "n": "null"}
+NUMBER_ENDS = frozenset(("zero", "int", "frac", "exp"))  # states where a number may end
+OPENER = {"}": "{", "]": "["}
 
-    It tracks nesting, strings and escapes, and the key/value structure of the outer object; it
-    does not check numbers or literals (`result` runs json.loads for the final word).
+
+def number_step(state: str, ch: str) -> str | None:
+    """The JSON number grammar, one character at a time: the next state, or None where `ch` cannot
+    continue the number (it then ends there if `state` is in NUMBER_ENDS, else it is malformed)."""
+    digit = ch in DIGITS
+    if state in ("start", "sign"):
+        return "zero" if ch == "0" else "int" if digit else "sign" if state == "start" and ch == "-" else None
+    if state in ("zero", "int"):
+        return ("int" if digit and state == "int" else "dot" if ch == "." else "e" if ch in "eE" else None)
+    if state in ("dot", "frac"):
+        return "frac" if digit else "e" if state == "frac" and ch in "eE" else None
+    if state == "e":
+        return "esign" if ch in "+-" else "exp" if digit else None
+    return "exp" if digit else None  # esign, exp
+
+
+class CallScanner:
+    """Reads a block's JSON one character at a time: checks it against the JSON grammar as it
+    comes (so a malformed character is caught where it is written, not when the block ends), and
+    finds the top-level "name" and "arguments" values, so arguments can stream before the object is
+    complete and stop at the last character that kept them a valid beginning of JSON.
+
+    Work per character is constant (a number or literal is checked by a small state machine).
+    `result` still runs json.loads once for the final word.
     """
 
     def __init__(self) -> None:
@@ -30,16 +54,20 @@ class CallScanner:
         self.closed = False        # the outer object has ended
         self.name: str | None = None
         self.ready = False         # the call is certain enough to announce (see _check_ready)
-        self._stack: list[str] = []   # open brackets; the outer object is _stack[0]
+        # One [bracket, expected token] per open container; the outer object is _frames[0]. Expected:
+        # key_or_end, key, colon, value, value_or_end (an array's first), comma_or_end.
+        self._frames: list[list[str]] = []
         self._in_string = False
-        self._escape = False
-        self._expect = "object"       # in the outer object: key_or_end, key, colon, value, comma_or_end
-        self._key: list[str] | None = None     # characters of the outer key being read
+        self._string_is_key = False
+        self._escape = 0                       # 0, -1 right after a backslash, n: hex digits of \u left
+        self._number: str | None = None        # number_step state while a number is read
+        self._literal = ""                     # the literal being read ("true"...), and how far
+        self._literal_at = 0
+        self._key: list[str] | None = None     # characters of an outer key being read
         self._value_key: str | None = None     # the outer key whose value is being read
-        self._value_kind = ""                  # "string", "nested" or "scalar" while a value is read
         self._name_chars: list[str] | None = None
         self._args: list[str] = []             # one character per item
-        self._args_kind = ""                   # first character class of the "arguments" value
+        self._args_kind = ""                   # first character of the "arguments" value
         self._args_done = False
         self._seen: set[str] = set()
 
@@ -72,133 +100,135 @@ class CallScanner:
         for ch in text:
             if self.error:
                 return
-            self._char(ch)
-
-    def _char(self, ch: str) -> None:
-        capture = self._value_key == "arguments" and self._value_kind != ""
-        if self._in_string:
-            self._string_char(ch, capture)
-            return
-        depth = len(self._stack)
-        if depth == 0:
-            if ch in WHITESPACE:
+            inside = self._args_kind == "{" and not self._args_done
+            if not self._char(ch):
+                self.error = True  # nothing of this character is kept
                 return
-            if self.closed or ch != "{":
-                self.error = True
-                return
-            self._stack.append("{")
-            self._expect = "key_or_end"
-            return
-        if depth > 1:  # inside a nested value of the outer object
-            if capture:
+            if inside or (self._args_kind == "{" and not self._args):
                 self._args.append(ch)
-            if ch == '"':
-                self._in_string = True
-            elif ch in "{[":
-                self._stack.append(ch)
-            elif ch in "}]":
-                if _OPENER[ch] != self._stack.pop():
-                    self.error = True
-                elif len(self._stack) == 1:
-                    self._end_value()
-            return
-        self._outer_char(ch, capture)
 
-    def _string_char(self, ch: str, capture: bool) -> None:
-        if capture:
-            self._args.append(ch)
-        outer = len(self._stack) == 1
-        if self._escape:
-            self._escape = False
-        elif ch == "\\":
-            self._escape = True
-        elif ch == '"':
-            self._in_string = False
-            if outer:  # a key or a string value of the outer object ended
-                if self._key is not None:
-                    self._end_key()
-                else:
-                    self._end_value()
-            return
-        if outer:  # raw characters, escapes included: json.loads decodes them at the end
-            if self._key is not None:
-                self._key.append(ch)
-            elif self._name_chars is not None:
-                self._name_chars.append(ch)
-
-    def _outer_char(self, ch: str, capture: bool) -> None:
-        """A character directly inside the outer object, outside strings."""
-        if self._value_kind == "scalar":
-            if ch not in WHITESPACE and ch not in ",}":
-                if capture:
-                    self._args.append(ch)
-                return
+    def _char(self, ch: str) -> bool:
+        """Advances over one character; False where it breaks the JSON grammar."""
+        if self._in_string:
+            return self._string_char(ch)
+        if self._number is not None:
+            step = number_step(self._number, ch)
+            if step is not None:
+                self._number = step
+                return True
+            if self._number not in NUMBER_ENDS:
+                return False
+            self._number = None
+            self._end_value()  # the number ended just before `ch`, which is read below
+        elif self._literal:
+            if self._literal_at < len(self._literal):
+                if ch != self._literal[self._literal_at]:
+                    return False
+                self._literal_at += 1
+                return True
+            self._literal = ""
             self._end_value()
         if ch in WHITESPACE:
-            return
-        expect = self._expect
-        if expect in ("key_or_end", "key") and ch == '"':
-            self._key = []
-            self._in_string = True
-        elif expect in ("key_or_end", "comma_or_end") and ch == "}":
-            self._stack.pop()
-            self.closed = True
-            self._check_ready()
-        elif expect == "colon" and ch == ":":
-            self._expect = "value"
-        elif expect == "comma_or_end" and ch == ",":
-            self._expect = "key"
-        elif expect == "value":
-            self._start_value(ch)
-        else:
-            self.error = True
+            return True
+        if not self._frames:
+            if self.closed or ch != "{":
+                return False
+            self._frames.append(["{", "key_or_end"])
+            return True
+        frame = self._frames[-1]
+        bracket, expect = frame
+        if ch in "}]":
+            if OPENER[ch] != bracket or expect not in ("key_or_end", "value_or_end", "comma_or_end"):
+                return False
+            self._frames.pop()
+            if self._frames:
+                self._end_value()
+            else:
+                self.closed = True
+                self._check_ready()
+            return True
+        if expect == "colon":
+            frame[1] = "value"
+            return ch == ":"
+        if expect == "comma_or_end":
+            frame[1] = "key" if bracket == "{" else "value"
+            return ch == ","
+        if expect in ("key_or_end", "key"):
+            if ch != '"':
+                return False
+            frame[1] = "colon"
+            self._in_string, self._string_is_key = True, True
+            if len(self._frames) == 1:
+                self._key = []
+            return True
+        return self._start_value(ch)
 
-    def _end_key(self) -> None:
-        try:
-            key = json.loads('"' + "".join(self._key or []) + '"')
-        except ValueError:
-            self.error = True
-            return
+    def _string_char(self, ch: str) -> bool:
+        if self._escape:
+            if self._escape == -1:
+                if ch not in 'u"\\/bfnrt':
+                    return False
+                self._escape = 4 if ch == "u" else 0
+            elif ch not in HEX:
+                return False
+            else:
+                self._escape -= 1
+        elif ch == "\\":
+            self._escape = -1
+        elif ch == '"':
+            self._in_string = False
+            if not self._string_is_key:
+                self._end_value()
+            elif self._key is not None:
+                return self._end_key()
+            return True
+        elif ch < " ":  # control characters must be escaped
+            return False
+        # raw characters, escapes included: json.loads decodes them
+        if self._key is not None:
+            self._key.append(ch)
+        elif self._name_chars is not None:
+            self._name_chars.append(ch)
+        return True
+
+    def _end_key(self) -> bool:
+        key = json.loads('"' + "".join(self._key or []) + '"')
         self._key = None
         if key in ("name", "arguments"):
             if key in self._seen:
-                self.error = True  # a repeated key: which one counts is not obvious
-                return
+                return False  # a repeated key: which one counts is not obvious
             self._seen.add(key)
         self._value_key = key
-        self._expect = "colon"
+        return True
 
-    def _start_value(self, ch: str) -> None:
-        self._expect = "comma_or_end"
-        if self._value_key == "arguments":
-            self._args_kind = ch
-            self._args.append(ch)
-            self._check_ready()
+    def _start_value(self, ch: str) -> bool:
+        self._frames[-1][1] = "comma_or_end"  # once this value has ended
+        outer = len(self._frames) == 1
         if ch == '"':
-            self._value_kind = "string"
-            self._in_string = True
-            if self._value_key == "name":
+            self._in_string, self._string_is_key = True, False
+            if outer and self._value_key == "name":
                 self._name_chars = []
         elif ch in "{[":
-            self._value_kind = "nested"
-            self._stack.append(ch)
-        elif ch in "}],:":
-            self.error = True
+            self._frames.append([ch, "key_or_end" if ch == "{" else "value_or_end"])
+        elif ch in LITERALS:
+            self._literal, self._literal_at = LITERALS[ch], 1
         else:
-            self._value_kind = "scalar"
+            self._number = number_step("start", ch)
+            if self._number is None:
+                return False
+        if outer and self._value_key == "arguments":
+            self._args_kind = ch
+            self._check_ready()
+        return True
 
     def _end_value(self) -> None:
+        """A value has ended; of the outer object's, "name" and "arguments" are kept."""
+        if len(self._frames) != 1:
+            return
         if self._name_chars is not None:
-            try:
-                self.name = json.loads('"' + "".join(self._name_chars) + '"')
-            except ValueError:
-                self.error = True
+            self.name = json.loads('"' + "".join(self._name_chars) + '"')
             self._name_chars = None
             self._check_ready()
         if self._value_key == "arguments":
             self._args_done = True
         self._value_key = None
-        self._value_kind = ""
-
-
-_OPENER = {"}": "{", "]": "["}

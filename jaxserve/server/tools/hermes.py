@@ -25,10 +25,13 @@ Rules, the same streamed and in one piece unless noted:
 
 Streaming commits to a call early so its arguments can be streamed as they are written: once the
 name is known and the "arguments" value has begun with `{` (or the object closed without one), the
-header delta goes out. A committed block that later proves malformed (bad JSON after that point,
-a repeated key, no end before generation stops) stays a call whose arguments are what was streamed;
-the rest of its block is dropped, whereas `parse` returns such a block as content. Before that
-point streaming and `parse` decide identically, for every way the text is cut into chunks.
+header delta goes out. The JSON is checked as it comes (call_scanner.py), so a block broken before
+that point is never announced, and arguments stop streaming at the character that breaks them. A
+committed block that later proves malformed (bad JSON after that point, a repeated key, no end
+before generation stops) stays a call whose arguments are what was streamed, each character a valid
+continuation; the rest of its block is dropped, whereas `parse` returns such a block as content.
+Before that point streaming and `parse` decide identically, for every way the text is cut into
+chunks.
 """
 
 from __future__ import annotations
