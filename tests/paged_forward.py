@@ -14,7 +14,7 @@ from jaxserve.core.config import ModelConfig
 from jaxserve.model.paged import forward_paged
 from jaxserve.model.weights import Weights
 from jaxserve.quant import kv as kv_quant
-from jaxserve.parallel.sharding import make_mesh
+from jaxserve.parallel.sharding import make_mesh, Placement
 from jaxserve.runner.step_inputs import StepArrays
 from kernels_pallas import ragged_paged_attention_reference
 
@@ -26,7 +26,7 @@ def paged_logits(weights: Weights, cfg: ModelConfig, ids: Sequence[int], kv_cach
     `kv_cache_dtype` pool (what every decode step of the engine does)."""
     t = len(ids)
     pages = -(-t // page_size)
-    kv = kv_cache.allocate(cfg, pages, page_size, kv_quant.storage_dtype(kv_cache_dtype, jnp.float32), make_mesh(1, 1))
+    kv = kv_cache.allocate(cfg, pages, page_size, kv_quant.storage_dtype(kv_cache_dtype, jnp.float32), Placement(make_mesh(1, 1)))
     arange = np.arange(t, dtype=np.int32)
     arrays = StepArrays(token_ids=np.asarray(ids, np.int32), positions=arange, token_seq=np.zeros(t, np.int32),
                         slot_mapping=arange, cu_q_lens=np.array([0, t], np.int32), seq_lens=np.array([t], np.int32),

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.core.config import ModelConfig
 from jaxserve.model.attention import make_attention
-from jaxserve.parallel.sharding import make_mesh
+from jaxserve.parallel.sharding import make_mesh, Placement
 from kernels_pallas import (ragged_paged_attention_gpu, ragged_paged_attention_reference,
                             ragged_paged_attention_tiled)
 
@@ -32,7 +32,7 @@ def _inputs(rng):
 
 def test_gpu_kernel_shard_mapped_over_kv_heads_matches_reference():
     mesh = make_mesh(1, 4)  # 4 KV heads split 4 ways, 2 q heads per device
-    fn = make_attention("gpu", CFG, mesh, interpret=True)
+    fn = make_attention("gpu", CFG, Placement(mesh), interpret=True)
     assert fn.__name__.startswith("shard_map_")
     q, k, v, seq_lens, cu, tables, n = _inputs(np.random.default_rng(0))
     heads = NamedSharding(mesh, P(None, "model", None))
@@ -50,7 +50,7 @@ def test_quantized_pages_and_their_scales_are_shard_mapped_over_kv_heads():
     from kernels_pallas.kv_quant import dequantize_pages, quantize
 
     mesh = make_mesh(1, 4)
-    fn = make_attention("gpu", CFG, mesh, interpret=True)
+    fn = make_attention("gpu", CFG, Placement(mesh), interpret=True)
     q, k, v, seq_lens, cu, tables, n = _inputs(np.random.default_rng(1))
     (kq, ks), (vq, vs) = (quantize(jnp.asarray(x), jnp.int8) for x in (k, v))
     ks, vs = jnp.swapaxes(ks, 1, 2), jnp.swapaxes(vs, 1, 2)                       # [P, KVH, ps]
@@ -66,12 +66,12 @@ def test_quantized_pages_and_their_scales_are_shard_mapped_over_kv_heads():
 
 
 def test_reference_stays_unwrapped_and_replicated_kv_heads_take_the_jnp_path(caplog):
-    assert make_attention("reference", CFG, make_mesh(1, 4)) is ragged_paged_attention_reference
+    assert make_attention("reference", CFG, Placement(make_mesh(1, 4))) is ragged_paged_attention_reference
     # 8-way model axis > 4 KV heads: KV replicated; a kernel cannot be partitioned by XLA nor
     # shard-mapped over whole KV heads, so the step takes the jnp path, which XLA partitions.
-    assert make_attention("gpu", CFG, make_mesh(1, 8), interpret=True) is ragged_paged_attention_tiled
+    assert make_attention("gpu", CFG, Placement(make_mesh(1, 8)), interpret=True) is ragged_paged_attention_tiled
     assert "4 KV heads do not split over the 8-way model axis" in caplog.text
-    assert make_attention("gpu", CFG, make_mesh(1, 1), interpret=True).func is ragged_paged_attention_gpu
+    assert make_attention("gpu", CFG, Placement(make_mesh(1, 1)), interpret=True).func is ragged_paged_attention_gpu
 
 
 def test_auto_on_cpu_devices_shard_maps_the_native_decode_kernel_over_kv_heads():
@@ -81,9 +81,9 @@ def test_auto_on_cpu_devices_shard_maps_the_native_decode_kernel_over_kv_heads()
     from kernels_pallas import ragged_paged_attention_cpu
 
     mesh = make_mesh(1, 4)
-    fn = make_attention("auto", CFG, mesh)
+    fn = make_attention("auto", CFG, Placement(mesh))
     assert fn.__name__ == "shard_map_ragged_paged_attention_cpu"
-    assert make_attention("auto", CFG, make_mesh(1, 1)) is ragged_paged_attention_cpu
+    assert make_attention("auto", CFG, Placement(make_mesh(1, 1))) is ragged_paged_attention_cpu
     q, k, v, _, _, _, _ = _inputs(np.random.default_rng(2))
     seq_lens = np.array([9, 5, 6], np.int32)         # a 4-token chunk, then two decodes
     cu = np.array([0, 4, 5, 6], np.int32)

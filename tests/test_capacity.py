@@ -99,6 +99,10 @@ def test_accelerator_pool_is_the_memory_left_after_weights_and_temporaries():
     # a little more or less free memory gives the same pool, so restarts hit the compilation cache
     other = dataclasses.replace(h200, memory_in_use=2 * GIB + 50 * 2 ** 20)
     assert plan_capacity(EngineConfig(), TINY, other, itemsize=2).engine.num_kv_pages == e.num_kv_pages
+    # LoRA slots (allocated after the pool) take their bytes out of its budget
+    lora = plan_capacity(EngineConfig(), TINY, h200, itemsize=2, lora_bytes=3 * GIB)
+    assert lora.engine.num_kv_pages == capacity.stable_page_count(exact - 3 * GIB // page)
+    assert "- 3.00 GiB LoRA slots" in lora.lines[2]
     l4 = MachineInfo("gpu", "NVIDIA L4", memory_per_device=22 * GIB, memory_in_use=GIB)
     assert plan_capacity(EngineConfig(), TINY, l4, 2).engine.max_num_batched_tokens == 2048
     v6e = MachineInfo("tpu", "TPU v6 lite", memory_per_device=31 * GIB)

@@ -155,12 +155,12 @@ def test_host_memory_stays_within_the_tier_when_runs_fragment(model):
     import numpy as np
 
     from jaxserve.model import kv_cache
-    from jaxserve.parallel.sharding import make_mesh, replicated
+    from jaxserve.parallel.sharding import Placement, make_mesh, replicated
     from jaxserve.runner.host_tier import HostTier
 
     cfg, _ = model
     mesh = make_mesh(1, 1)
-    kv = kv_cache.allocate(cfg, 32, 4, jnp.float32, mesh)
+    kv = kv_cache.allocate(cfg, 32, 4, jnp.float32, Placement(mesh))
     kv = jax.tree.map(lambda a: a + jnp.arange(a.shape[0], dtype=a.dtype).reshape(-1, *[1] * (a.ndim - 1)), kv)
     put = lambda a: jax.device_put(a, replicated(mesh))  # noqa: E731
     tier = HostTier(kv, put, capacity=8)

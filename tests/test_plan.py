@@ -4,6 +4,7 @@ the sweep, and the command's output and errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -108,6 +109,28 @@ def test_fit_answers_match_hand_arithmetic(target, tp, pool_gib, fits):
         assert plan.headroom_bytes < 0 and any("--kv-cache-memory" in a for a in plan.advice)
 
 
+@pytest.mark.parametrize("tp", [1, 4])
+def test_lora_slots_are_counted_from_their_declaration(tp):
+    """--enable-lora: the slots' bytes per device (hand arithmetic: a [in, N, R] and b [N, R, out] per
+    projection and layer, split like the projection) enter the total, and a pool sized from memory
+    gives them its room."""
+    n, r = 4, 64
+    engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=4096)
+    with_lora = dataclasses.replace(engine, enable_lora=True, max_loras=n, max_lora_rank=r)
+    target, layout = parse_target("tpu-v5e:2x2"), make_layout("tp", tp, tp)
+    plain = plan_deployment(ModelConfig.from_hf(BIG), target, layout, engine, "bfloat16", compile_programs=False)
+    plan = plan_deployment(ModelConfig.from_hf(BIG), target, layout, with_lora, "bfloat16", compile_programs=False)
+    # q, o: D <-> D; k, v: D -> KV; gate, up: D -> F; down: F -> D; the split side is divided by tp
+    per_layer = (2 * (D + D // tp) + 2 * (D + KV // tp) + 3 * (D + F // tp)) * n * r * 2
+    assert plain.lora_bytes == 0 and plan.lora_bytes == L * per_layer
+    assert plan.weight_bytes == plain.weight_bytes
+    # a pool sized from memory is rounded down by at most 1/16 (capacity.stable_page_count)
+    assert plan.kv_pool_bytes <= plain.kv_pool_bytes
+    assert plan.kv_pool_bytes + plan.lora_bytes <= plain.kv_pool_bytes * 16 / 15
+    assert plan.fits and plan.total_bytes <= plan.usable_bytes
+    assert plan.total_bytes - plan.kv_pool_bytes == plain.total_bytes - plain.kv_pool_bytes + plan.lora_bytes
+
+
 def test_collectives_are_read_from_compiled_tp_programs():
     cfg = _config(num_attention_heads=8, num_key_value_heads=4, vocab_size=1024)
     plan = plan_deployment(cfg, parse_target("tpu-v6e:2x2"), make_layout("tp", 4),
@@ -162,6 +185,15 @@ def test_plan_command_prints_table_json_and_plot(tmp_path, capsys):
     assert data["target"] == "cpu:1" and data["fits"] and data["weight_bytes"] > 0
     assert math.isclose(data["total_bytes"], data["weight_bytes"] + data["kv_pool_bytes"] + data["temp_bytes"]
                         + data["code_bytes"])
+    # the LoRA slot flags of `serve`: 2 slots x rank 8 of every projection, float32 (q, o: 128 <-> 128;
+    # k, v: 128 -> 2 x 32 heads; gate, up: 128 -> 256; down: 256 -> 128)
+    assert cli.main(["plan", str(config), "--target", "cpu", "--max-num-seqs", "8", "--max-num-batched-tokens",
+                     "32", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--json", "-"]) == 0
+    lora = json.loads(capsys.readouterr().out)
+    per_layer = (2 * 256 + 2 * (128 + 64) + 3 * (128 + 256)) * 2 * 8 * 4
+    assert data["lora_bytes"] == 0 and lora["lora_bytes"] == 2 * per_layer
+    assert math.isclose(lora["total_bytes"], lora["weight_bytes"] + lora["lora_bytes"] + lora["kv_pool_bytes"]
+                        + lora["temp_bytes"] + lora["code_bytes"])
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -11,7 +11,7 @@ from jaxserve.parallel.layouts import make_layout
 from jaxserve.model.attention import make_attention
 from jaxserve.core.buckets import serving_programs
 from jaxserve.runner.programs import lower_program
-from jaxserve.parallel.sharding import make_mesh
+from jaxserve.parallel.sharding import make_mesh, Placement
 from jaxserve.planning.targets import parse_target
 from own_process import in_own_process
 
@@ -36,14 +36,15 @@ def test_every_serving_program_compiles_for_tpu(target, tp, family):
     devices = parse_target(target).devices()
     layout = make_layout("tp", len(devices), tp)
     mesh = make_mesh(1, layout.tp, devices)
-    attention = make_attention("auto", cfg, mesh, layout.rules)
+    placement = Placement(mesh, layout.rules)
+    attention = make_attention("auto", cfg, placement)
     assert attention.__name__ == "shard_map_ragged_paged_attention_tpu"  # the Mosaic kernel, per device
     programs = serving_programs(ENGINE, cfg)
     assert [p.kind for p in programs].count("forward") == 4  # tokens {16, 32} x seqs {4, 8}
     for program in programs:
         if program.kind == "sample" and family != "qwen3":
             continue  # a sampler sees only the vocabulary and the mesh: the same program for both families
-        compiled = lower_program(program, cfg, ENGINE, mesh, "bfloat16", attention, layout.rules).compile()
+        compiled = lower_program(program, cfg, ENGINE, placement, "bfloat16", attention).compile()
         assert compiled.memory_analysis() is not None
         if program.kind == "forward":
             text = compiled.as_text()
@@ -58,8 +59,8 @@ def _sampler_program(devices, history: int):
     cfg = ModelConfig.from_hf({**FAMILIES["qwen3"], "vocab_size": 151936})
     engine = EngineConfig(max_num_seqs=256, max_num_batched_tokens=256, max_model_len=8192, num_kv_pages=64)
     mesh = make_mesh(1, 1, devices)
-    return lower_program(Program("sample", rows=256, history=history), cfg, engine, mesh, "bfloat16",
-                         make_attention("auto", cfg, mesh)).compile()
+    return lower_program(Program("sample", rows=256, history=history), cfg, engine, Placement(mesh), "bfloat16",
+                         make_attention("auto", cfg, Placement(mesh))).compile()
 
 
 def test_widest_sampler_fits_in_small_temporaries_on_tpu():
@@ -94,13 +95,14 @@ def test_speculative_draft_row_programs_compile_for_tpu():
     devices = parse_target("tpu-v6e:2x2").devices()
     layout = make_layout("tp", len(devices), 4)
     mesh = make_mesh(1, layout.tp, devices)
-    attention = make_attention("auto", cfg, mesh, layout.rules)
+    placement = Placement(mesh, layout.rules)
+    attention = make_attention("auto", cfg, placement)
     plain_rows = {p.rows for p in serving_programs(ENGINE, cfg) if p.kind == "sample"}
     extra = [p for p in serving_programs(engine, cfg)
              if (p.kind == "forward" and p.logits != p.rows) or (p.kind == "sample" and p.rows not in plain_rows)]
     assert {p.logits for p in extra if p.kind == "forward"} == {16, 32}  # (16, 4) -> 16, (32, 8) -> 32
     for program in extra:
-        compiled = lower_program(program, cfg, engine, mesh, "bfloat16", attention, layout.rules).compile()
+        compiled = lower_program(program, cfg, engine, placement, "bfloat16", attention).compile()
         assert compiled.memory_analysis() is not None, program.name
 
 
@@ -114,10 +116,11 @@ def test_lora_forward_compiles_for_tpu():
     devices = parse_target("tpu-v6e:2x2").devices()
     layout = make_layout("tp", len(devices), 4)
     mesh = make_mesh(1, layout.tp, devices)
-    attention = make_attention("auto", cfg, mesh, layout.rules)
+    placement = Placement(mesh, layout.rules)
+    attention = make_attention("auto", cfg, placement)
     forwards = [p for p in serving_programs(engine, cfg) if p.kind == "forward"]
     for program in (forwards[0], forwards[-1]):
-        compiled = lower_program(program, cfg, engine, mesh, "bfloat16", attention, layout.rules).compile()
+        compiled = lower_program(program, cfg, engine, placement, "bfloat16", attention).compile()
         assert "tpu_custom_call" in compiled.as_text(), program.name
 
 
@@ -139,14 +142,15 @@ def _eagle3_programs(devices, tp: int, kernel: str) -> None:
     engine = dataclasses.replace(ENGINE, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
     layout = make_layout("tp", len(devices), tp)
     mesh = make_mesh(1, layout.tp, devices)
-    attention = make_attention("auto", cfg, mesh, layout.rules)
-    head_attention = make_attention("auto", head.layer, mesh, layout.rules)
+    placement = Placement(mesh, layout.rules)
+    attention = make_attention("auto", cfg, placement)
+    head_attention = make_attention("auto", head.layer, placement)
     forwards = [p for p in serving_programs(engine, cfg) if p.kind == "forward"]
     for program in (forwards[0], forwards[-1]):
-        lowered = lower_program(program, cfg, engine, mesh, "bfloat16", attention, layout.rules, aux_layers=head.aux_layers)
+        lowered = lower_program(program, cfg, engine, placement, "bfloat16", attention, aux_layers=head.aux_layers)
         assert kernel in lowered.compile().as_text(), program.name
         for combine in (True, False):
-            compiled = lower_eagle(program, head, cfg, engine, mesh, "bfloat16", head_attention, layout.rules,
+            compiled = lower_eagle(program, head, cfg, engine, placement, "bfloat16", head_attention,
                                    combine=combine).compile()
             assert kernel in compiled.as_text(), (program.name, combine)
 
@@ -172,9 +176,10 @@ def _largest_forward(cfg, devices, rules: str, tp: int) -> str:
     """The compiled HLO text of the largest forward of `cfg` on `devices`."""
     layout = make_layout(rules, len(devices), tp)
     mesh = make_mesh(1, layout.tp, devices)
+    placement = Placement(mesh, layout.rules)
     program = [p for p in serving_programs(ENGINE, cfg) if p.kind == "forward"][-1]
-    return lower_program(program, cfg, ENGINE, mesh, "bfloat16", make_attention("auto", cfg, mesh, layout.rules),
-                         layout.rules).compile().as_text()
+    return lower_program(program, cfg, ENGINE, placement, "bfloat16", make_attention("auto", cfg, placement)
+                         ).compile().as_text()
 
 
 def _kernel_calls(text: str, marker: str) -> int:
@@ -230,11 +235,12 @@ def _jnp_fallback_forwards(devices) -> None:
     cfg = ModelConfig.from_hf(FAMILIES["qwen3"])
     layout = make_layout("tp", len(devices), len(devices))
     mesh = make_mesh(1, layout.tp, devices)
-    attention = make_attention("auto", cfg, mesh, layout.rules)
+    placement = Placement(mesh, layout.rules)
+    attention = make_attention("auto", cfg, placement)
     assert attention.__name__ == "ragged_paged_attention_tiled"
     for program in serving_programs(ENGINE, cfg):
         if program.kind == "forward":
-            compiled = lower_program(program, cfg, ENGINE, mesh, "bfloat16", attention, layout.rules).compile()
+            compiled = lower_program(program, cfg, ENGINE, placement, "bfloat16", attention).compile()
             assert "sort" in compiled.as_text(), program.name  # the decode rows ordered by context
 
 
@@ -261,7 +267,7 @@ def test_host_tier_page_moves_compile_for_tpu():
 
     cfg = ModelConfig.from_hf(FAMILIES["qwen3"])
     mesh = make_mesh(1, 4, parse_target("tpu-v6e:2x2").devices())
-    pool = kv_cache.abstract(cfg, 64, 16, jnp.bfloat16, mesh)
+    pool = kv_cache.abstract(cfg, 64, 16, jnp.bfloat16, Placement(mesh))
     for width in CHUNK_WIDTHS:
         index = jax.ShapeDtypeStruct((width,), jnp.int32, sharding=replicated(mesh))
         run = jax.eval_shape(gather_pages, pool, index)

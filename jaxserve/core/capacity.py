@@ -179,10 +179,11 @@ def _platform_limits(model: ModelConfig, machine: MachineInfo) -> tuple[int, int
 
 
 def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo, itemsize: int,
-                  model_axis: int = 1, draft: ModelConfig | None = None) -> Capacity:
+                  model_axis: int = 1, draft: ModelConfig | None = None, lora_bytes: int = 0) -> Capacity:
     """Resolves every unset field of `engine` (see the module docstring). Raises ValueError when
     the settings cannot fit, naming the setting and the bytes. `draft`: a speculative draft model
-    whose K/V shares the pool's pages (each token costs both models' bytes)."""
+    whose K/V shares the pool's pages (each token costs both models' bytes); `lora_bytes`: the LoRA
+    slots one device holds (allocated after the pool, so not yet in machine.memory_in_use)."""
     adjustments = []  # limits lowered to what the pool holds
     context = model_context(model)
     max_model_len = engine.max_model_len or context
@@ -210,15 +211,16 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
             raise ValueError(f"--kv-cache-memory {engine.kv_cache_memory} bytes holds no KV page "
                              f"({page_bytes} bytes each)")
     else:
-        budget = int(utilization * machine.memory_per_device) - machine.memory_in_use - temp
+        budget = int(utilization * machine.memory_per_device) - machine.memory_in_use - temp - lora_bytes
         num_pages = stable_page_count(max(0, budget) // page_bytes)
         if num_pages < 1:
             raise ValueError(f"no KV page fits: {_gib(machine.memory_per_device)} x {utilization:.2f} leaves "
-                             f"{_gib(budget)} after weights and temporaries; each page needs {page_bytes} bytes. "
+                             f"{_gib(budget)} after weights, temporaries and LoRA slots; each page needs {page_bytes} bytes. "
                              f"Raise --memory-utilization, lower --max-num-batched-tokens, or use more devices")
         where = "of available RAM" if machine.platform == "cpu" else f"of {_gib(machine.memory_per_device)}"
         pool_why = (f"{utilization:.2f} {where} ({_gib(machine.memory_per_device)}) - {_gib(machine.memory_in_use)} "
-                    f"in use - {_gib(temp)} step temporaries")
+                    f"in use - {_gib(temp)} step temporaries"
+                    + (f" - {_gib(lora_bytes)} LoRA slots" if lora_bytes else ""))
         if machine.platform == "cpu":
             per_seq = min(max_model_len, CPU_TOKENS_PER_SEQ)
             cap = min(-(-max_num_seqs * per_seq // engine.page_size), CPU_MAX_POOL_BYTES // page_bytes)

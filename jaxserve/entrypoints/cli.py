@@ -12,8 +12,8 @@ import os
 import sys
 
 from jaxserve.distributed.multihost import DEFAULT_STALL_TIMEOUT
-from jaxserve.entrypoints.engine_args import (add_engine_args, add_quantization_arg, add_size_args, engine_config,
-    parse_size, positive_float, prefill_decode, size_fields)
+from jaxserve.entrypoints.engine_args import (add_engine_args, add_lora_slot_args, add_quantization_arg, add_size_args,
+    engine_config, lora_slot_fields, parse_size, positive_float, prefill_decode, size_fields)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quantization_arg(g)
     g = pl.add_argument_group("engine")
     add_size_args(g)
+    add_lora_slot_args(g)
     g = pl.add_argument_group("report")
     g.add_argument("--context", type=int, default=None, help="tokens in cache per decoding sequence for the "
                    "step estimates (default: max_model_len)")
@@ -285,7 +286,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         from jaxserve.core.config import EngineConfig
         from jaxserve.planning.report import run
 
-        return run(args, EngineConfig(**size_fields(args)))
+        return run(args, EngineConfig(**size_fields(args), **lora_slot_fields(args)))
     from jaxserve.server.commands import convert
 
     print(f"wrote {convert(args.src, args.dst, args.dtype, args.quantization)}")

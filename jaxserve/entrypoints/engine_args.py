@@ -111,12 +111,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="queued sequences beyond which new requests get 429")
     g.add_argument("--seed", type=int, default=0, help="seeds the random seeds of requests that bring none")
-    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters on the base model")
+    add_lora_slot_args(g)
     g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
                    help="PEFT adapters (directories with adapter_config.json + adapter_model.safetensors, or hub "
                    "ids in the local Hugging Face cache) loaded at start-up; a request selects one by its model field")
-    g.add_argument("--max-loras", type=int, default=4, help="adapter slots on the device")
-    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (every slot is this wide)")
     g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory, least recently "
                    "used evicted (re-read from disk when a slot needs them) (default: --max-loras)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -187,9 +185,21 @@ def engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  #
         mesh_shape=mesh, layout=args.layout,
         kv_offload_gib=args.kv_offload_gib, kv_role=args.kv_role,
         attention_backend=args.attention_backend, compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,
-        seed=args.seed, speculative_config=args.speculative_config, enable_lora=args.enable_lora,
-        lora_modules=tuple(args.lora_modules), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        seed=args.seed, speculative_config=args.speculative_config, **lora_slot_fields(args),
+        lora_modules=tuple(args.lora_modules),
         max_cpu_loras=args.max_cpu_loras)
+
+
+def add_lora_slot_args(g: argparse._ArgumentGroup) -> None:
+    """The flags that size the LoRA slots (serving and `plan` count their device memory alike)."""
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters on the base model")
+    g.add_argument("--max-loras", type=int, default=4, help="adapter slots on the device")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (every slot is this wide)")
+
+
+def lora_slot_fields(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the flags of add_lora_slot_args."""
+    return dict(enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
 
 def size_fields(args: argparse.Namespace) -> dict:

@@ -26,14 +26,15 @@ AttentionFn = Callable[..., jax.Array]
 logger = logging.getLogger("jaxserve.attention")
 
 
-def make_attention(backend: str, cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES,
-                   **kernel_kwargs) -> AttentionFn:
-    """The ragged paged attention function the step calls, placed for `mesh`.
+def make_attention(backend: str, cfg: ModelConfig, placement: sharding.Placement, **kernel_kwargs) -> AttentionFn:
+    """The ragged paged attention function the step calls, placed as `placement` places the pool.
 
     kernel_kwargs go to the Pallas kernel (e.g. `interpret=True` to run a GPU kernel on CPU).
     """
     from kernels_pallas import (JNP_BACKENDS, attention_for_platform, get_attention_backend,
                                 ragged_paged_attention_tiled)
+
+    mesh, rules = placement
 
     # "auto" follows the mesh's devices (a compile-only TPU mesh gets the TPU kernel in a CPU process)
     fn = attention_for_platform(mesh.devices.flat[0].platform) if backend == "auto" else get_attention_backend(backend)

@@ -33,13 +33,14 @@ from jaxserve.model.weights import LayerWeights, logical_dims
 MoEFn = Callable[[LayerWeights, jax.Array, MoEConfig], jax.Array]
 
 
-@functools.lru_cache(maxsize=None)  # one function per (model, mesh, rules): a stable jit static argument
-def make_moe(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES) -> MoEFn | None:
+@functools.lru_cache(maxsize=None)  # one function per (model, placement): a stable jit static argument
+def make_moe(cfg: ModelConfig, placement: sharding.Placement) -> MoEFn | None:
     """The sparse blocks' function for a layout: explicit all-to-all dispatch when the rules put
     whole experts on a mesh axis of more than one device (layouts "tp-ep", "tp-ep-data"); None
     (moe.moe_mlp, partitioned by XLA) otherwise, e.g. tensor parallelism inside every expert."""
     if cfg.moe is None:
         return None
+    mesh, rules = placement
     resolved = sharding.rules_for(logical_dims(cfg), mesh, rules)
     expert_axis = resolved.get("expert")  # (rules_for drops axes of one device)
     return None if expert_axis is None else make_expert_parallel(mesh, expert_axis, resolved.get("expert_mlp"))

@@ -12,13 +12,12 @@ Pages are allocated and freed on the host (page_allocator.py); this file never d
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
 from jaxserve.parallel import sharding
 from jaxserve.core.config import ModelConfig
@@ -65,40 +64,31 @@ class KVPages:
                    v_scales=[layer.v_scales for layer in layers] if quantized else None)
 
 
-def _sharding(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules, axes: tuple[str, ...]) -> NamedSharding:
-    rules = sharding.rules_for(logical_dims(cfg), mesh, rules)
-    return sharding.named(mesh, *axes, rules=rules)
+def _sharding(cfg: ModelConfig, placement: sharding.Placement, axes: tuple[str, ...]) -> NamedSharding:
+    mesh, rules = placement
+    return sharding.named(mesh, *axes, rules=sharding.rules_for(logical_dims(cfg), mesh, rules))
 
 
-def kv_sharding(cfg: ModelConfig, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES) -> NamedSharding:
-    return _sharding(cfg, mesh, rules, KV_AXES)
+def kv_sharding(cfg: ModelConfig, placement: sharding.Placement) -> NamedSharding:
+    return _sharding(cfg, placement, KV_AXES)
 
 
-def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, mesh: Mesh,
-             rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVPages:
-    """The pool as ShapeDtypeStructs placed on `mesh`; `dtype` is the storage dtype (8-bit: with scales)."""
+def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, placement: sharding.Placement) -> KVPages:
+    """The pool's declaration: ShapeDtypeStructs placed by `placement`; `dtype` is the storage dtype
+    (8-bit: with scales). Allocation, the programs' lowering and the memory plans all read it."""
     page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(dtype),
-                                sharding=kv_sharding(cfg, mesh, rules))
+                                sharding=kv_sharding(cfg, placement))
     layers = [page] * cfg.num_layers
     if not is_quantized(dtype):
         return KVPages(k=layers, v=layers)
     scale = jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size), SCALE_DTYPE,
-                                 sharding=_sharding(cfg, mesh, rules, SCALE_AXES))
+                                 sharding=_sharding(cfg, placement, SCALE_AXES))
     return KVPages(k=layers, v=layers, k_scales=[scale] * cfg.num_layers, v_scales=[scale] * cfg.num_layers)
 
 
-def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, mesh: Mesh,
-             rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVPages:
+def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, placement: sharding.Placement) -> KVPages:
     """A zeroed pool (every array its own buffer, so each can be donated)."""
-    return jax.tree.map(lambda spec: _zeros(spec.shape, spec.dtype, spec.sharding)(),
-                        abstract(cfg, num_pages, page_size, dtype, mesh, rules))
-
-
-@functools.lru_cache(maxsize=64)
-def _zeros(shape: tuple[int, ...], dtype: Any, placement: NamedSharding) -> Any:
-    """A program making one zeroed array placed by `placement` (every layer's pages share one: a
-    program per layer was a trace and a compile per layer at every start)."""
-    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=placement)
+    return sharding.zeros(abstract(cfg, num_pages, page_size, dtype, placement))
 
 
 def write(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:

@@ -14,9 +14,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple, Sequence
 
+import functools
+import math
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.quant.scheme import qtype_bits
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
@@ -129,3 +135,24 @@ def put(tree: Any, shardings: Any) -> Any:
         return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
 
     return jax.tree.map(place, tree, shardings)
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of a declared pytree (ShapeDtypeStructs with shardings): each leaf's
+    shard on the first device, where any leaf's shard is largest (shards of uneven splits do not
+    occur: an axis the mesh does not divide stays whole). Sub-byte dtypes pack (int4: two a byte)."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * qtype_bits(leaf.dtype) // 8
+               for leaf in jax.tree.leaves(tree))
+
+
+def zeros(tree: Any) -> Any:
+    """Zeroed device arrays for a declared pytree (ShapeDtypeStructs with shardings), each its own
+    buffer (so each can be donated), made on the devices: nothing is copied from the host."""
+    return jax.tree.map(lambda leaf: _zeros_program(leaf.shape, jnp.dtype(leaf.dtype), leaf.sharding)(), tree)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_program(shape: tuple[int, ...], dtype: Any, placement: NamedSharding) -> Any:
+    """A program making one zeroed array placed by `placement` (leaves of one shape share it: a
+    program per layer was a trace and a compile per layer at every start)."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=placement)

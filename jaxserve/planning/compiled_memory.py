@@ -34,15 +34,14 @@ class Calibration:
     notes: list[str]
 
 
-def calibrate(programs: list[Program], model: ModelConfig, engine: EngineConfig, mesh: jax.sharding.Mesh,
-               dtype: Any, attention: Any, rules: sharding.Rules, compile_layers: int | None,
-               decode_bucket: tuple[int, int]) -> Calibration:
+def calibrate(programs: list[Program], model: ModelConfig, engine: EngineConfig, placement: sharding.Placement,
+              dtype: Any, attention: Any, compile_layers: int | None, decode_bucket: tuple[int, int]) -> Calibration:
     """Compiles `programs` (a copy of the model `compile_layers` deep: the layers are unrolled, so
     compile time grows with depth while temporaries do not) and scales what grows with depth."""
     depth = min(model.num_layers, compile_layers or model.num_layers)
     scale = model.num_layers / depth
     shallow = _with_layers(model, depth)
-    costs = _map_threads(lambda p: program_memory(p, shallow, engine, mesh, dtype, attention, rules), programs)
+    costs = _map_threads(lambda p: program_memory(p, shallow, engine, placement, dtype, attention), programs)
     worst = max(costs, key=lambda c: c.temp_at(engine.num_kv_pages))
     notes = []
     if worst.temp_per_page > 0:
@@ -54,8 +53,8 @@ def calibrate(programs: list[Program], model: ModelConfig, engine: EngineConfig,
                      f"collectives are scaled to depth, temporaries taken as compiled (layers run in turn)")
         # one layer fewer tells the per-layer collectives from the rest (embedding, lm_head)
         fewer = collectives_in(_compiled_memory(Program("forward", *decode_bucket), _with_layers(model, depth - 1),
-                                                dataclasses.replace(engine, num_kv_pages=64), mesh, dtype,
-                                                attention, rules)[3]) if depth > 1 else []
+                                                dataclasses.replace(engine, num_kv_pages=64), placement, dtype,
+                                                attention)[3]) if depth > 1 else []
         colls = _extrapolate(colls, fewer, depth, model.num_layers)
     return Calibration(costs, max(c.page_bytes for c in costs) * scale, worst.temp_fixed,
                        worst.temp_per_page * scale, int(max(c.code_bytes for c in costs) * scale), colls, notes)
@@ -76,19 +75,18 @@ class ProgramMemory:
         return self.temp_fixed + self.temp_per_page * pages
 
 
-def program_memory(program: Program, model: ModelConfig, engine: EngineConfig, mesh: jax.sharding.Mesh,
-                   dtype: Any, attention: Any, rules: sharding.Rules) -> ProgramMemory:
+def program_memory(program: Program, model: ModelConfig, engine: EngineConfig, placement: sharding.Placement,
+                   dtype: Any, attention: Any) -> ProgramMemory:
     """Compiles `program` at two small pool sizes and fits the line through the results, so a
     target's page layout (tile padding) and any copy of the pool are measured, not assumed; the
     full-size pool is never compiled (a program that copies it might not fit the device at all)."""
     p1 = max(64, engine.max_pages_per_seq)
     p2 = 2 * p1
-    first = _compiled_memory(program, model, dataclasses.replace(engine, num_kv_pages=p1), mesh, dtype, attention,
-                             rules)
+    first = _compiled_memory(program, model, dataclasses.replace(engine, num_kv_pages=p1), placement, dtype, attention)
     if program.kind == "sample":  # no KV pages among its arguments
         return ProgramMemory(program.name, 0.0, first[1], 0.0, first[2], first[3])
-    second = _compiled_memory(program, model, dataclasses.replace(engine, num_kv_pages=p2), mesh, dtype,
-                              attention, rules)
+    second = _compiled_memory(program, model, dataclasses.replace(engine, num_kv_pages=p2), placement, dtype,
+                              attention)
     page = (second[0] - first[0]) / (p2 - p1)
     slope = max(0.0, (second[1] - first[1]) / (p2 - p1))
     return ProgramMemory(program.name, page, max(0.0, first[1] - slope * p1), slope, max(first[2], second[2]),
@@ -98,12 +96,13 @@ def program_memory(program: Program, model: ModelConfig, engine: EngineConfig, m
 _COMPILED_LIMIT = 32
 
 
-def _compiled_memory(program: Program, model: ModelConfig, engine: EngineConfig, mesh: jax.sharding.Mesh,
-                     dtype: Any, attention: Any, rules: sharding.Rules) -> tuple[int, int, int, str]:
+def _compiled_memory(program: Program, model: ModelConfig, engine: EngineConfig, placement: sharding.Placement,
+                     dtype: Any, attention: Any) -> tuple[int, int, int, str]:
     """(argument bytes, temp bytes, code bytes, HLO text) of one compile. Identical programs for the
     same devices compile once per process (a sweep's layouts that split the vocabulary alike share
     their sampler; plans that differ only in pool size share every program)."""
-    lowered = lower_program(program, model, engine, mesh, dtype, attention, rules)
+    lowered = lower_program(program, model, engine, placement, dtype, attention)
+    mesh = placement.mesh
     key = (lowered.as_text(), tuple((d.device_kind, d.id) for d in mesh.devices.flat))
     if key not in _COMPILED:
         _COMPILED[key] = _compile_memory(lowered, program, engine, mesh)

@@ -17,7 +17,6 @@ docs/PLANNING.md says how each figure is computed and where the chip figures com
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any
 
@@ -28,15 +27,14 @@ from jaxserve.core import capacity
 from jaxserve.core.buckets import choose_bucket, declared_buckets
 from jaxserve.core.capacity import MachineInfo, flops_per_sampled_row, flops_per_token, kv_bytes_per_token
 from jaxserve.core.config import EngineConfig, ModelConfig
-from jaxserve.model import weights as weights_mod
 from jaxserve.model.attention import make_attention
 from jaxserve.parallel import sharding
 from jaxserve.parallel.kv_heads import duplicated_config, kv_duplication
 from jaxserve.parallel.layouts import Layout, check_divides
 from jaxserve.planning.compiled_memory import Collective, calibrate, programs_to_compile, collective_seconds
 from jaxserve.planning.targets import Target
+from jaxserve.runner.programs import abstract_lora, abstract_weights
 from jaxserve.quant import kv as kv_quant
-from jaxserve.quant.scheme import qtype_bits
 
 DECODE_BATCHES = (1, 8, 64)          # plus max_num_seqs
 SWEEP_COMPILE_LAYERS = 2             # --sweep compiles this many layers of each layout (then scales)
@@ -68,6 +66,7 @@ class DevicePlan:
     hbm_bytes: int
     usable_bytes: int                   # hbm x memory_utilization
     weight_bytes: int                   # per device
+    lora_bytes: int                     # the LoRA slots (--enable-lora), per device
     kv_pool_bytes: int                  # per device
     temp_bytes: int                     # compiled temporaries of the largest program, per device
     code_bytes: int                     # compiled program code, largest program
@@ -89,14 +88,9 @@ class DevicePlan:
         return dataclasses.asdict(self)
 
 
-def weight_bytes_per_device(cfg: ModelConfig, dtype: Any, mesh: jax.sharding.Mesh, rules: sharding.Rules) -> int:
-    """Bytes of the weight shards one device holds (from the declaration and the rules)."""
-    specs = weights_mod.abstract(cfg, dtype)
-    shards = weights_mod.shardings(specs, cfg, mesh, rules)
-    total = 0
-    for spec, shard in zip(jax.tree.leaves(specs, is_leaf=weights_mod.is_spec), jax.tree.leaves(shards)):
-        total += math.prod(shard.shard_shape(spec.shape)) * qtype_bits(spec.dtype) // 8  # int4 packs two a byte
-    return total
+def weight_bytes_per_device(cfg: ModelConfig, dtype: Any, placement: sharding.Placement) -> int:
+    """Bytes of the weight shards one device holds (from the declaration the loaders place by)."""
+    return sharding.bytes_per_device(abstract_weights(cfg, dtype, placement))
 
 
 def _attention_flops(cfg: ModelConfig, q_tokens: int, context: int) -> float:
@@ -127,7 +121,9 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     model = duplicated_config(model, kv_duplication(model, layout.tp, rules))  # as the runner does
     devices = target.devices()[: layout.tp]
     mesh = sharding.make_mesh(1, layout.tp, devices)
-    weight_bytes = weight_bytes_per_device(model, dtype, mesh, rules)
+    placement = sharding.Placement(mesh, rules)
+    weight_bytes = weight_bytes_per_device(model, dtype, placement)
+    lora_bytes = sharding.bytes_per_device(abstract_lora(model, engine, dtype, placement))
     machine = _machine(target, mesh, weight_bytes)
     chip = target.chip
     utilization = engine.memory_utilization or capacity.DEFAULT_MEMORY_UTILIZATION[chip.platform]
@@ -137,7 +133,7 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     advice: list[str] = []
     sized_from_memory = engine.num_kv_pages is None and engine.kv_cache_memory is None
     try:
-        cap = capacity.plan_capacity(engine, model, machine, dtype.itemsize, model_axis_kv)
+        cap = capacity.plan_capacity(engine, model, machine, dtype.itemsize, model_axis_kv, lora_bytes=lora_bytes)
         resolved, pool_bytes, est_temp = cap.engine, cap.kv_pool_bytes, cap.temp_bytes
     except ValueError as e:
         # Nothing fits: plan the smallest engine that could run (one full-length sequence), so the
@@ -151,7 +147,7 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
         pool_bytes, est_temp, sized_from_memory = pages * engine.page_size * per_token, 0, False
 
     to_compile = programs_to_compile(resolved, model, programs, batch)
-    attention = make_attention(resolved.attention_backend, model, mesh, rules)
+    attention = make_attention(resolved.attention_backend, model, placement)
     b = min(batch or resolved.max_num_seqs, resolved.max_num_seqs)
     decode_bucket = choose_bucket(declared_buckets(resolved), b, b)  # its collectives are reported
     page_bytes, fixed, slope, code, colls, compile_s, program_temps = (
@@ -160,7 +156,7 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     if compile_programs:
         start = time.perf_counter()
         try:
-            cal = calibrate(to_compile, model, resolved, mesh, dtype, attention, rules, compile_layers, decode_bucket)
+            cal = calibrate(to_compile, model, resolved, placement, dtype, attention, compile_layers, decode_bucket)
             compiled_ok = True
         except ValueError as e:  # a program that does not fit the device even with a tiny pool
             notes.append(str(e))
@@ -173,22 +169,23 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
             notes.append(f"a KV page takes {page_bytes / (per_token * resolved.page_size):.2f}x its logical bytes on "
                          f"{chip.device_kind} (tile padding of the [page, kv_heads, head_dim] minor dims)")
         if sized_from_memory:  # the pool serving would take, with pages as the target lays them out
-            room = usable - weight_bytes - code - fixed
+            room = usable - weight_bytes - lora_bytes - code - fixed
             pages = capacity.stable_page_count(max(0, int(room // (page_bytes + slope))))
             resolved = dataclasses.replace(resolved, num_kv_pages=max(1, min(resolved.num_kv_pages, pages)))
         pool_bytes = int(resolved.num_kv_pages * page_bytes)
         program_temps = {c.name: int(c.temp_at(resolved.num_kv_pages)) for c in cal.costs}
     # the pool that fits: pages x (page + per-page temporaries) + fixed costs <= usable
     temp = int(fixed + slope * resolved.num_kv_pages)
-    total = weight_bytes + pool_bytes + temp + code
-    max_pages = max(0, int((usable - weight_bytes - code - fixed) // (page_bytes + slope)))
+    total = weight_bytes + lora_bytes + pool_bytes + temp + code
+    max_pages = max(0, int((usable - weight_bytes - lora_bytes - code - fixed) // (page_bytes + slope)))
     max_pool = int(max_pages * page_bytes)
     max_tokens = max_pages * resolved.page_size
     steps = _step_estimates(model, chip, layout, resolved, dtype, weight_bytes, per_token, colls, decode_bucket[0],
                             context or resolved.max_model_len, resolved.num_kv_pages * resolved.page_size, batch)
     fits = total <= usable and (compiled_ok or not compile_programs)
     if not fits:
-        advice = _advice(model, target, layout, resolved, dtype, weight_bytes, temp + code, per_token, usable)
+        advice = _advice(model, target, layout, resolved, dtype, weight_bytes, temp + code + lora_bytes, per_token,
+                         usable)
     settings = {k: getattr(resolved, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
                                                   "page_size", "num_kv_pages", "memory_utilization",
                                                   "kv_cache_dtype")}
@@ -197,7 +194,8 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     return DevicePlan(
         target=target.name, device_kind=chip.device_kind, layout=layout.name, tp=layout.tp,
         replicas=layout.replicas, dtype=dtype.name, settings=settings,
-        hbm_bytes=chip.hbm_bytes, usable_bytes=usable, weight_bytes=weight_bytes, kv_pool_bytes=pool_bytes,
+        hbm_bytes=chip.hbm_bytes, usable_bytes=usable, weight_bytes=weight_bytes, lora_bytes=lora_bytes,
+        kv_pool_bytes=pool_bytes,
         temp_bytes=temp, code_bytes=code, total_bytes=total, fits=fits, headroom_bytes=usable - total,
         max_kv_pool_bytes=max_pool, max_kv_tokens=int(max_tokens),
         max_seqs_at_max_len=int(max_tokens // resolved.max_model_len),

@@ -1,6 +1,6 @@
 """The adapters' device slots (owned by the ModelRunner, device state like it) and their host copies.
 
-Under tensor parallelism a slot's factors are split like the weight they modify (`slot_shardings`):
+Under tensor parallelism a slot's factors are split like the weight they modify (`abstract`):
 the output dims of b for q/k/v/gate/up (heads, mlp), the input dims of a for o/down, the slot and
 rank axes never, so each device multiplies its own shard and the sums meet where the base
 projection's do.
@@ -22,8 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax.sharding import Mesh
-
 from jaxserve.parallel import sharding
 from jaxserve.core.config import EngineConfig, ModelConfig
 from jaxserve.lora.adapter import LOGICAL_AXES, MODULES, LoraAdapter, load_adapter, shapes
@@ -31,16 +29,22 @@ from jaxserve.lora.slots import empty_slots, put as put_adapter
 from jaxserve.model import weights as weights_mod
 
 
-def slot_shardings(model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh,
-                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> list[dict[str, tuple[Any, Any]]]:
-    """Per layer, module -> (sharding of a [*in, N, R], of b [N, R, *out]) on `mesh`."""
+def abstract(model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: Any,
+             placement: sharding.Placement) -> list[dict[str, tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]]:
+    """The slots' declaration, as the KV pool's and the weights': per layer, module -> (a [*in, N, R],
+    b [N, R, *out]) as ShapeDtypeStructs placed by `placement`. Allocation (DeviceSlots), the programs'
+    lowering and the memory plans (their bytes per device) all read it."""
+    mesh, rules = placement
     resolved = sharding.rules_for(weights_mod.logical_dims(model_cfg), mesh, rules)
     dims, n, r = shapes(model_cfg), engine_cfg.max_loras, engine_cfg.max_lora_rank
     layer = {}
     for m in MODULES:
         (ins, outs), (in_dims, out_dims) = LOGICAL_AXES[m], dims[m]
-        layer[m] = (sharding.named(mesh, *ins, None, None, rules=resolved, shape=(*in_dims, n, r)),
-                    sharding.named(mesh, None, None, *outs, rules=resolved, shape=(n, r, *out_dims)))
+        a_shape, b_shape = (*in_dims, n, r), (n, r, *out_dims)
+        layer[m] = (jax.ShapeDtypeStruct(a_shape, dtype, sharding=sharding.named(mesh, *ins, None, None,
+                                                                                  rules=resolved, shape=a_shape)),
+                    jax.ShapeDtypeStruct(b_shape, dtype, sharding=sharding.named(mesh, None, None, *outs,
+                                                                                  rules=resolved, shape=b_shape)))
     return [layer] * model_cfg.num_layers
 
 
@@ -78,9 +82,7 @@ class DeviceSlots:
         for name, path in self.paths.items():
             adapter = self._read(name)
             self.adapters[name] = (adapter.rank, adapter.modules)
-        zeros = empty_slots(model_cfg, engine_cfg.max_loras, self.max_rank)
-        self.arrays = jax.device_put([{m: (a.astype(dtype), b.astype(dtype)) for m, (a, b) in layer.items()}
-                                      for layer in zeros], slot_shardings(model_cfg, engine_cfg, *placement))
+        self.arrays = sharding.zeros(abstract(model_cfg, engine_cfg, dtype, placement))
         self.num_loads = 0
 
     def register(self, name: str, path: str) -> None:

@@ -45,8 +45,8 @@ from jaxserve.runner.kv_pull import TransferEndpoint
 from jaxserve.runner.machine import machine_info
 from jaxserve.runner.packing import pack
 from jaxserve.runner.program_store import ProgramTable, cache_directory, fingerprint
-from jaxserve.runner.programs import (DONATED, FORWARD_STATICS, copy_step, copy_width, dummy_arrays, dummy_sampling,
-    forward_step, kv_dtype, lower_program, rows_width, sample_step)
+from jaxserve.runner.programs import (DONATED, FORWARD_STATICS, abstract_lora, copy_step, copy_width, dummy_arrays,
+    dummy_sampling, forward_step, kv_dtype, lower_program, rows_width, sample_step)
 from jaxserve.runner.proposers.draft_model import DraftRunner, check_compatible
 from jaxserve.runner.proposers.eagle3 import EagleRunner
 from jaxserve.runner.sampler import SamplerOutput, bitmask_words
@@ -79,6 +79,7 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self._checkpoint_cfg = checkpoint_cfg
         self.mesh = mesh
+        self.placement = placement = sharding.Placement(mesh, rules)
         self.weights = weights
         self.dtype = jnp.dtype(dtype)
         # Unset sizes (pool, batch limits, context, buckets) come from the machine and the model.
@@ -87,9 +88,13 @@ class ModelRunner:
         if draft is not None and eagle is None:
             check_compatible(model_cfg, draft[0])
             draft = duplicate_kv_heads(*draft, mesh)
+        if engine_cfg.enable_lora and model_cfg.moe is not None:
+            raise ValueError("--enable-lora: LoRA adapters on a mixture-of-experts model are not supported yet")
+        lora_bytes = sharding.bytes_per_device(abstract_lora(model_cfg, engine_cfg, self.dtype, placement))
         self.capacity = plan_capacity(engine_cfg, model_cfg, machine, self.dtype.itemsize,
                                       mesh.shape[sharding.MODEL_AXIS],
-                                      draft=None if draft is None else eagle[0].layer if eagle else draft[0])
+                                      draft=None if draft is None else eagle[0].layer if eagle else draft[0],
+                                      lora_bytes=lora_bytes)
         for line in self.capacity.lines:
             logger.info("%s", line)
         self.engine_cfg = engine_cfg = self.capacity.engine
@@ -98,8 +103,8 @@ class ModelRunner:
                                 getattr(mesh.devices.flat[0], "compute_capability", None))
         if note := kv_quant.platform_note(engine_cfg.kv_cache_dtype, machine.platform):
             logger.warning("%s", note)
-        self.kv = kv_cache.allocate(model_cfg, num_pages, engine_cfg.page_size, kv_dtype(engine_cfg, self.dtype), mesh,
-                                   rules)
+        self.kv = kv_cache.allocate(model_cfg, num_pages, engine_cfg.page_size, kv_dtype(engine_cfg, self.dtype),
+                                   placement)
         self.num_pages = num_pages
         self._transfer: TransferEndpoint | None = None  # PD over jax.experimental.transfer, on first use
         self._transfer_lock = threading.Lock()
@@ -115,8 +120,8 @@ class ModelRunner:
                         self.num_host_pages, engine_cfg.page_size, self.num_host_pages * engine_cfg.page_size,
                         engine_cfg.kv_offload_gib, self.host_tier.memory)
         self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size, eagle=eagle is not None)
-        self._attention = make_attention(engine_cfg.attention_backend, model_cfg, mesh, rules)
-        self._moe = make_moe(model_cfg, mesh, rules)  # None unless the layout splits whole experts
+        self._attention = make_attention(engine_cfg.attention_backend, model_cfg, placement)
+        self._moe = make_moe(model_cfg, placement)  # None unless the layout splits whole experts
         self._rows_width = rows_width(engine_cfg)
         # [rows_width] int32: the last dispatched step's sampled ids, on the device
         self._prev_ids = self._put(np.zeros(self._rows_width, np.int32))
@@ -128,18 +133,15 @@ class ModelRunner:
                                                                     mesh.shape, mesh.devices.tolist(),
                                                                     getattr(self._attention, "__name__", "")),
                                      list(mesh.devices.flat))
-        self.placement = sharding.Placement(mesh, rules)
-        self.draft = (DraftRunner(*draft, engine_cfg, self.placement, self.dtype, self._put, self.programs)
+        self.draft = (DraftRunner(*draft, engine_cfg, placement, self.dtype, self._put, self.programs)
                       if draft is not None and eagle is None else None)
-        self.eagle = (EagleRunner(*eagle, weights.embed, engine_cfg, self.placement, self.dtype, self._put,
+        self.eagle = (EagleRunner(*eagle, weights.embed, engine_cfg, placement, self.dtype, self._put,
                                   self.programs)
                       if eagle is not None else None)
         self._aux: jax.Array | None = None  # with an EAGLE-3 head: the last forward's [T, 3 D] states
         # the proposer's pool mirrors the target's pages: its pages move between the tiers too
         self._proposer_tier = (HostTier(self.proposer.kv, self._put, self.num_host_pages)
                                if self.host_tier is not None and self.proposer is not None else None)
-        if engine_cfg.enable_lora and model_cfg.moe is not None:
-            raise ValueError("--enable-lora: LoRA adapters on a mixture-of-experts model are not supported yet")
         self.lora = self._lora_slots() if engine_cfg.enable_lora else None
         self.warmed_up = False
         self.compilations_after_warmup = 0
@@ -334,8 +336,8 @@ class ModelRunner:
 
     def compile(self, program: Program) -> jax.stages.Compiled:
         """One serving program compiled from shapes alone (for memory and HLO inspection)."""
-        return lower_program(program, self.model_cfg, self.engine_cfg, self.mesh, self.dtype,
-                             self._attention, self.rules).compile()
+        return lower_program(program, self.model_cfg, self.engine_cfg, self.placement, self.dtype,
+                             self._attention).compile()
 
     @staticmethod
     def fetch(out: SamplerOutput) -> SamplerOutput:

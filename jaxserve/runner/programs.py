@@ -90,24 +90,18 @@ def copy_width(engine_cfg: EngineConfig) -> int:
     return engine_cfg.max_num_seqs
 
 
-def abstract_weights(model_cfg: ModelConfig, dtype: Any, mesh: Mesh,
-                     rules: sharding.Rules = sharding.DEFAULT_RULES) -> Weights:
-    """The weight pytree as ShapeDtypeStructs placed on `mesh` (no memory)."""
-    return weights_mod.abstract_arrays(model_cfg, dtype, mesh, rules)
+def abstract_weights(model_cfg: ModelConfig, dtype: Any, placement: sharding.Placement) -> Weights:
+    """The weight pytree as ShapeDtypeStructs placed by `placement` (no memory)."""
+    return weights_mod.abstract_arrays(model_cfg, dtype, *placement)
 
 
-def abstract_lora(model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: Any, mesh: Mesh,
-                  rules: sharding.Rules = sharding.DEFAULT_RULES) -> Any:
-    """The LoRA slot factors as ShapeDtypeStructs placed as serving places them, or None without LoRA."""
+def abstract_lora(model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: Any, placement: sharding.Placement) -> Any:
+    """The LoRA slots' declaration (runner/lora_slots.py), or None without LoRA."""
     if not engine_cfg.enable_lora:
         return None
-    from jaxserve.lora.adapter import shapes
-    from jaxserve.runner.lora_slots import slot_shardings
+    from jaxserve.runner import lora_slots
 
-    dims, n, r = shapes(model_cfg), engine_cfg.max_loras, engine_cfg.max_lora_rank
-    return [{m: (jax.ShapeDtypeStruct((*dims[m][0], n, r), dtype, sharding=sa),
-                 jax.ShapeDtypeStruct((n, r, *dims[m][1]), dtype, sharding=sb)) for m, (sa, sb) in layer.items()}
-            for layer in slot_shardings(model_cfg, engine_cfg, mesh, rules)]
+    return lora_slots.abstract(model_cfg, engine_cfg, dtype, placement)
 
 
 def kv_dtype(engine_cfg: EngineConfig, dtype: Any) -> np.dtype:
@@ -121,39 +115,40 @@ def abstract_packed(tree: Any, mesh: Mesh) -> tuple[jax.ShapeDtypeStruct, PackSp
     return jax.ShapeDtypeStruct(buf.shape, jnp.int32, sharding=sharding.replicated(mesh)), spec
 
 
-def lower_program(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, dtype: Any,
-                  attention_fn: Callable[..., jax.Array], rules: sharding.Rules = sharding.DEFAULT_RULES,
-                  aux_layers: tuple[int, ...] = ()) -> jax.stages.Lowered:
-    """Lowers `program` for `mesh` from shapes alone, with the attention function serving would use
-    there (model/attention.make_attention) and the same `rules`. The sampler's logits come
+def lower_program(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, placement: sharding.Placement,
+                  dtype: Any, attention_fn: Callable[..., jax.Array], aux_layers: tuple[int, ...] = ()
+                  ) -> jax.stages.Lowered:
+    """Lowers `program` for `placement`'s mesh from shapes alone, with the attention function
+    serving would use there (model/attention.make_attention) and the same rules. The sampler's logits come
     vocab-split as the forward leaves them. aux_layers: a forward that also returns an EAGLE-3
     head's input states."""
     # The mesh's devices as the default one while lowering: jax 0.11's Pallas Triton lowering reads
     # the GPU it compiles for off the default device (a CPU one in a process that compiles for a
     # compile-only GPU target).
+    mesh = placement.mesh
     with jax.default_device(mesh.devices.flat[0]), contextlib.ExitStack() as scope:
         if model_cfg.moe is not None:
             from jaxserve.model.moe import compile_scope
 
             scope.enter_context(compile_scope(mesh))  # the experts' kernels for the target's devices
-        return _lower(program, model_cfg, engine_cfg, mesh, dtype, attention_fn, rules, aux_layers)
+        return _lower(program, model_cfg, engine_cfg, placement, dtype, attention_fn, aux_layers)
 
 
-def _lower(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, mesh: Mesh, dtype: Any,
-           attention_fn: Callable[..., jax.Array], rules: sharding.Rules, aux_layers: tuple[int, ...]
-           ) -> jax.stages.Lowered:
+def _lower(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, placement: sharding.Placement,
+           dtype: Any, attention_fn: Callable[..., jax.Array], aux_layers: tuple[int, ...]) -> jax.stages.Lowered:
+    mesh, rules = placement
     replicated = sharding.replicated(mesh)
     host = lambda tree: abstract_packed(tree, mesh)  # noqa: E731
     num_pages, page_size = engine_cfg.num_kv_pages, engine_cfg.page_size
-    kv = kv_cache.abstract(model_cfg, num_pages, page_size, kv_dtype(engine_cfg, dtype), mesh, rules)
+    kv = kv_cache.abstract(model_cfg, num_pages, page_size, kv_dtype(engine_cfg, dtype), placement)
     if program.kind == "forward":
         packed, spec = host(dummy_arrays(program, engine_cfg.max_pages_per_seq, num_pages * page_size,
                                          engine_cfg.enable_lora))
         prev_ids = jax.ShapeDtypeStruct((rows_width(engine_cfg),), jnp.int32, sharding=replicated)
-        return forward_step.lower(abstract_weights(model_cfg, dtype, mesh, rules), kv=kv, packed=packed, spec=spec,
+        return forward_step.lower(abstract_weights(model_cfg, dtype, placement), kv=kv, packed=packed, spec=spec,
                                   cfg=model_cfg, attention_fn=attention_fn, prev_ids=prev_ids,
-                                  lora=abstract_lora(model_cfg, engine_cfg, dtype, mesh, rules), aux_layers=aux_layers,
-                                  moe_fn=make_moe(model_cfg, mesh, rules))
+                                  lora=abstract_lora(model_cfg, engine_cfg, dtype, placement), aux_layers=aux_layers,
+                                  moe_fn=make_moe(model_cfg, placement))
     if program.kind == "sample":
         packed, spec = host(dummy_sampling(program.rows, program.history))
         resolved = sharding.rules_for(weights_mod.logical_dims(model_cfg), mesh, rules)

@@ -21,7 +21,7 @@ from jaxserve.engine.engine_core import EngineCore
 from jaxserve.quant import kv as kv_quant
 from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.parallel.sharding import make_mesh
+from jaxserve.parallel.sharding import make_mesh, Placement
 
 GEN = 256
 # One small engine shape for every family: one forward program, and the reference attention, which
@@ -110,7 +110,7 @@ def test_preemption_prefix_caching_n_samples_and_sharding_with_quantized_pages(m
 
 def test_copy_pages_copies_values_and_scales(model):
     cfg, _ = model
-    kv = kv_cache.allocate(cfg, 6, 4, jnp.int8, make_mesh(1, 1))
+    kv = kv_cache.allocate(cfg, 6, 4, jnp.int8, Placement(make_mesh(1, 1)))
     rng = np.random.default_rng(0)
     layer = kv.layers()[0]
     new = jnp.asarray(rng.standard_normal((8, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)

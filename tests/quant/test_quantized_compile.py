@@ -17,7 +17,7 @@ from jaxserve.parallel.layouts import make_layout
 from jaxserve.model.attention import make_attention
 from jaxserve.runner.programs import lower_program
 from jaxserve.quant.scheme import ONLINE, WeightQuant
-from jaxserve.parallel.sharding import make_mesh
+from jaxserve.parallel.sharding import make_mesh, Placement
 from jaxserve.planning.targets import parse_target
 
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 1000, "hidden_size": 1024,
@@ -32,9 +32,10 @@ HLO_TYPE = {"int8": "s8[", "int4": "s4[", "fp8": "f8e4m3fn[", "awq": "u4[", "gpt
 
 
 def _compile(cfg, mesh, layout, engine=ENGINE):
-    attention = make_attention("auto", cfg, mesh, layout.rules)
+    placement = Placement(mesh, layout.rules)
+    attention = make_attention("auto", cfg, placement)
     program = max((p for p in serving_programs(engine, cfg) if p.kind == "forward"), key=lambda p: p.tokens)
-    return lower_program(program, cfg, engine, mesh, "bfloat16", attention, layout.rules).compile()
+    return lower_program(program, cfg, engine, placement, "bfloat16", attention).compile()
 
 
 @pytest.fixture(scope="module")

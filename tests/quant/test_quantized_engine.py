@@ -18,7 +18,7 @@ from jaxserve.model.dense import greedy_generate
 from jaxserve.planning.plan import weight_bytes_per_device
 from jaxserve.quant.scheme import ONLINE
 from jaxserve.core.request import Request
-from jaxserve.parallel.sharding import DEFAULT_RULES, make_mesh
+from jaxserve.parallel.sharding import make_mesh, Placement
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [60, 3, 3, 88, 12, 19, 4, 70, 21, 11, 56, 8, 23], [14, 90, 31]]
 
@@ -65,12 +65,12 @@ def test_planner_bytes_and_startup_block_see_the_quantization():
                                    intermediate_size=4096, num_hidden_layers=4, num_attention_heads=16,
                                    num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False))
     mesh = make_mesh(1, 1)
-    full = weight_bytes_per_device(cfg, jnp.bfloat16, mesh, DEFAULT_RULES)
+    full = weight_bytes_per_device(cfg, jnp.bfloat16, Placement(mesh))
     projections = 4 * (2 * 1024 * 1024 + 2 * 1024 * 512 + 3 * 1024 * 4096)  # q, o, k, v, gate, up, down
     rest = full - 2 * projections
     for name, bits in (("int8", 8), ("int4", 4), ("fp8", 8)):
-        quant = weight_bytes_per_device(dataclasses.replace(cfg, quantization=ONLINE[name]), jnp.bfloat16, mesh,
-                                        DEFAULT_RULES)
+        quant = weight_bytes_per_device(dataclasses.replace(cfg, quantization=ONLINE[name]), jnp.bfloat16,
+                                        Placement(mesh))
         # the projections shrink to bits/16 of bf16 plus their scales; the rest is unchanged
         assert rest + projections * bits // 8 < quant < rest + projections * bits // 8 * 1.05
     from jaxserve.core.capacity import MachineInfo, plan_capacity

@@ -95,13 +95,12 @@ def proposal_arrays(buckets: Sequence[tuple[int, int]], page_size: int, pad_slot
 class DraftRunner:
     def __init__(self, cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, placement: sharding.Placement,
                  dtype: Any, put: Any, programs: ProgramTable) -> None:
-        mesh, rules = placement
         self.cfg = cfg
         self.weights = weights
         self.engine_cfg = engine_cfg
         self.kv = kv_cache.allocate(cfg, engine_cfg.num_kv_pages, engine_cfg.page_size,
-                                    kv_dtype(engine_cfg, dtype), mesh, rules)
-        self._attention = make_attention(engine_cfg.attention_backend, cfg, mesh, rules)
+                                    kv_dtype(engine_cfg, dtype), placement)
+        self._attention = make_attention(engine_cfg.attention_backend, cfg, placement)
         self._put = put
         self._programs = programs  # the target's table: the draft's programs are stored with its own
         self._buckets = declared_buckets(engine_cfg)

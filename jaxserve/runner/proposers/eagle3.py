@@ -27,7 +27,6 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
 from jaxserve.model import kv_cache
 from jaxserve.parallel import sharding
@@ -97,12 +96,12 @@ def _duplicate_kv_heads(cfg: eagle3.Eagle3Config, weights: eagle3.Eagle3Weights,
         return cfg, weights
     new_cfg = eagle3.Eagle3Config(**{**cfg.__dict__, "layer": duplicated_config(cfg.layer, factor)})
     layer = repeat_kv(Weights(embed=None, layers=[weights.layer], final_norm=None), factor).layers[0]
-    return new_cfg, jax.device_put(weights.replace(layer=layer), placements(new_cfg, mesh, rules))
+    return new_cfg, jax.device_put(weights.replace(layer=layer), placements(new_cfg, placement))
 
 
-def placements(cfg: eagle3.Eagle3Config, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES
-               ) -> eagle3.Eagle3Weights:
+def placements(cfg: eagle3.Eagle3Config, placement: sharding.Placement) -> eagle3.Eagle3Weights:
     """NamedSharding of every leaf of the head, from its logical axes (the target's rules)."""
+    mesh, rules = placement
     rules = sharding.rules_for(eagle3.logical_dims(cfg), mesh, rules)
     return jax.tree.map(lambda s: sharding.named(mesh, *s.axes, rules=rules, shape=s.shape),
                         eagle3.abstract(cfg), is_leaf=is_spec)
@@ -112,13 +111,12 @@ class EagleRunner:
     def __init__(self, cfg: eagle3.Eagle3Config, weights: eagle3.Eagle3Weights, target_embed: jax.Array,
                  engine_cfg: EngineConfig, placement: sharding.Placement, dtype: Any, put: Any,
                  programs: ProgramTable) -> None:
-        mesh, rules = placement
         self.cfg, self.weights = _duplicate_kv_heads(cfg, weights, placement)
         self.engine_cfg = engine_cfg
         self._target_embed = target_embed
         self.kv = kv_cache.allocate(self.cfg.layer, engine_cfg.num_kv_pages, engine_cfg.page_size,
-                                    kv_dtype(engine_cfg, dtype), mesh, rules)
-        self._attention = make_attention(engine_cfg.attention_backend, self.cfg.layer, mesh, rules)
+                                    kv_dtype(engine_cfg, dtype), placement)
+        self._attention = make_attention(engine_cfg.attention_backend, self.cfg.layer, placement)
         self._put = put
         self._programs = programs  # the target's table: the head's programs are stored with its own
         self._buckets = declared_buckets(engine_cfg)
@@ -203,18 +201,19 @@ class EagleRunner:
 
 
 def lower_eagle(program: Program, cfg: eagle3.Eagle3Config, target: ModelConfig, engine_cfg: EngineConfig,
-                mesh: Mesh, dtype: Any, attention_fn: Any, rules: sharding.Rules = sharding.DEFAULT_RULES,
-                combine: bool = True) -> jax.stages.Lowered:
+                placement: sharding.Placement, dtype: Any, attention_fn: Any, combine: bool = True
+                ) -> jax.stages.Lowered:
     """The head's fill (combine: after the target forward `program`) or its proposal forward (over
-    `program`'s bucket) lowered for `mesh` from shapes alone, as programs.lower_program lowers the
+    `program`'s bucket) lowered for `placement`'s mesh from shapes alone, as programs.lower_program lowers the
     target's: no weights, no device memory. attention_fn: make_attention for the head's layer."""
+    mesh, rules = placement
     replicated = sharding.replicated(mesh)
     specs = eagle3.abstract(cfg, dtype)
     weights = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, jnp.dtype(p.dtype), sharding=s), specs,
-                           placements(cfg, mesh, rules), is_leaf=is_spec)
-    embed = abstract_weights(target, dtype, mesh, rules).embed
+                           placements(cfg, placement), is_leaf=is_spec)
+    embed = abstract_weights(target, dtype, placement).embed
     num_pages, page_size = engine_cfg.num_kv_pages, engine_cfg.page_size
-    kv = kv_cache.abstract(cfg.layer, num_pages, page_size, kv_dtype(engine_cfg, dtype), mesh, rules)
+    kv = kv_cache.abstract(cfg.layer, num_pages, page_size, kv_dtype(engine_cfg, dtype), placement)
     width = rows_width(engine_cfg)
     if not combine:
         program = Program("forward", program.tokens, program.rows)  # a proposal samples every sequence row
