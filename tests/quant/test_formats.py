@@ -62,6 +62,20 @@ def as_torch_layout(leaf, contract: int) -> np.ndarray:
     return deq.T
 
 
+def logits_agree(hf_model, reference: dict[str, np.ndarray], cfg, weights) -> None:
+    """Our logits == transformers' with every projection set to the reference dequantisation
+    (HF module prefix -> float weight [out, in])."""
+    model = type(hf_model)(hf_model.config).eval()
+    state = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    state.update({f"{k}.weight": torch.from_numpy(np.asarray(v, np.float32)) for k, v in reference.items()})
+    model.load_state_dict(state)
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, size=(2, 24)).astype(np.int32)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    ours = np.asarray(forward_dense(weights, cfg, jnp.asarray(ids), jnp.ones_like(jnp.asarray(ids))))
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
 @pytest.mark.parametrize("fmt", list(WRITERS))
 def test_format_loads_to_its_reference_dequantisation_and_matches_transformers(base, fmt, tmp_path):
     path, hf_model = base
@@ -77,16 +91,7 @@ def test_format_loads_to_its_reference_dequantisation_and_matches_transformers(b
             ours = as_torch_layout(leaf, contract=2 if field == "wo" else 1)
             np.testing.assert_array_equal(ours, expected[f"model.layers.{i}.{hf_name}"], err_msg=f"{i}.{hf_name}")
 
-    # transformers on the reference dequantisation
-    reference = type(hf_model)(hf_model.config).eval()
-    state = {k: v.clone() for k, v in hf_model.state_dict().items()}
-    state.update({f"{k}.weight": torch.from_numpy(v) for k, v in expected.items()})
-    reference.load_state_dict(state)
-    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, size=(2, 24)).astype(np.int32)
-    with torch.no_grad():
-        ref = reference(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
-    ours = np.asarray(forward_dense(weights, cfg, jnp.asarray(ids), jnp.ones_like(jnp.asarray(ids))))
-    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+    logits_agree(hf_model, expected, cfg, weights)
 
 
 def _with_quantization_config(path, tmp_path, **changes):

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-import jax.numpy as jnp
 from checkpoints import load_model
 from hf_models import make_hf_model
-from jaxserve.model.dense import forward_dense
 from jaxserve.parallel.sharding import make_mesh
 from reference_packers import dequantized_by_compressed_tensors, pack_auto_round, pack_compressed_tensors
-from test_formats import NAMES, as_torch_layout
+from test_formats import NAMES, as_torch_layout, logits_agree
 
 # compressed-tensors preset (or weight arguments) -> (the storage type we declare, its checkpoint format)
 CT_SCHEMES = {
@@ -52,19 +49,6 @@ def _our_weights(weights) -> dict[str, np.ndarray]:
             for i, layer in enumerate(weights.layers) for field, hf in NAMES.items()}
 
 
-def _logits_agree(hf_model, reference: dict[str, np.ndarray], cfg, weights) -> None:
-    """Our logits == transformers' with every projection set to the reference's float weight."""
-    model = type(hf_model)(hf_model.config).eval()
-    state = {k: v.clone() for k, v in hf_model.state_dict().items()}
-    state.update({f"{k}.weight": torch.from_numpy(np.asarray(v, np.float32)) for k, v in reference.items()})
-    model.load_state_dict(state)
-    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, size=(2, 24)).astype(np.int32)
-    with torch.no_grad():
-        ref = model(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
-    ours = np.asarray(forward_dense(weights, cfg, jnp.asarray(ids), jnp.ones_like(jnp.asarray(ids))))
-    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
-
-
 @pytest.mark.parametrize("preset", list(CT_SCHEMES))
 def test_compressed_tensors_packed_checkpoint_reads_as_compressed_tensors_reads_it(base, preset, tmp_path):
     path, hf_model = base
@@ -77,7 +61,7 @@ def test_compressed_tensors_packed_checkpoint_reads_as_compressed_tensors_reads_
     for prefix, w in ours.items():
         expected = reference[f"{prefix}.weight"].numpy()
         np.testing.assert_allclose(w, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max(), err_msg=prefix)
-    _logits_agree(hf_model, ours, cfg, weights)
+    logits_agree(hf_model, ours, cfg, weights)
 
 
 @pytest.mark.parametrize("fmt,sym", list(AUTO_ROUND))
@@ -92,4 +76,4 @@ def test_auto_round_packed_checkpoint_reads_as_auto_round_reads_it(base, fmt, sy
     for prefix, w in ours.items():
         # auto-round's GPTQ reader computes (q - zero) * scale in float16: one half-ulp of the product
         np.testing.assert_allclose(w, reference[prefix], rtol=1e-3, atol=1e-3 * np.abs(w).max(), err_msg=prefix)
-    _logits_agree(hf_model, reference, cfg, weights)
+    logits_agree(hf_model, reference, cfg, weights)
