@@ -129,22 +129,15 @@ def cli_config(command: str, *flags: str):
     return engine_args.engine_config(cli.build_parser().parse_args(argv), "jaxserve-tiny")
 
 
-def test_generate_config_holds_one_request_and_stays_within_the_limits():
-    cfg = commands.generate_engine_config(cli_config("generate"), prompt_len=5, max_tokens=64, model_max_len=4096)
-    assert (cfg.max_num_seqs, cfg.seq_buckets) == (1, (1,))
-    assert cfg.resolved_token_buckets() == (1, 8)          # decode, and the prompt rounded up to 2^k
-    assert cfg.max_model_len == 128 and cfg.num_kv_pages * cfg.page_size == 128
-    # A prompt beyond the step budget prefills in chunks of the budget.
-    big = commands.generate_engine_config(cli_config("generate", "--max-num-batched-tokens", "64"),
-                                          prompt_len=1000, max_tokens=10, model_max_len=4096)
-    assert big.resolved_token_buckets() == (1, 64) and big.max_model_len == 1024
-    # Rounding up never passes the context limits; a request that cannot fit fails before loading.
-    capped = commands.generate_engine_config(cli_config("generate", "--max-model-len", "1000"),
-                                             prompt_len=900, max_tokens=100, model_max_len=4096)
-    assert capped.max_model_len == 1000
-    assert commands.generate_engine_config(cli_config("generate"), 1000, 100, model_max_len=1100).max_model_len == 1100
+def test_generate_runs_serves_engine_and_refuses_a_request_beyond_the_context_before_loading():
+    assert cli_config("generate").program_fields() == cli_config("serve").program_fields()
+    assert cli_config("generate").warmup == cli_config("serve").warmup == "background"
+    assert cli_config("serve", "--warmup", "full").warmup == "full"
+    commands.check_request_fits(cli_config("generate"), 1000, 100, model_max_len=1100)
     with pytest.raises(ValueError, match="exceeds the context limit 1000"):
-        commands.generate_engine_config(cli_config("generate", "--max-model-len", "1000"), 990, 11, 4096)
+        commands.check_request_fits(cli_config("generate", "--max-model-len", "1000"), 990, 11, 4096)
+    with pytest.raises(ValueError, match="exceeds the context limit 1100"):
+        commands.check_request_fits(cli_config("generate"), 1000, 101, model_max_len=1100)
 
 
 def test_kv_cache_dtype_flag_reaches_the_engine_config_and_rejects_unknown_names(capsys):
@@ -166,9 +159,6 @@ def test_speculative_config_flag_reaches_the_engine_config_and_bad_json_is_named
                         "EAGLE-3 head directory '/d' does not exist")):
         assert cli.main(["generate", "--prompt", "x", "--speculative-config", bad]) != 0
         assert words in capsys.readouterr().err
-    # generate declares a decode bucket that holds the last token and k drafts
-    cfg = commands.generate_engine_config(spec, prompt_len=5, max_tokens=64, model_max_len=4096)
-    assert cfg.resolved_token_buckets() == (1, 5, 8)
 
 
 def test_attention_backend_choices_are_the_kernels_backends():

@@ -70,20 +70,20 @@ def test_progress_bars_show_while_loading_and_compiling_unless_turned_off(capsys
 
 
 def test_cli_generate_compiles_few_programs_and_prints_the_engines_greedy_text(llm, caplog):
-    """`jaxserve generate` runs a config cut down to its one request; the text must not change."""
+    """`jaxserve generate` runs serve's engine with a background warm-up: it answers once the smallest
+    bucket is compiled (the rest compiling meanwhile); the text must not change."""
     from jaxserve.entrypoints import cli
     from jaxserve.server import commands
 
     args = cli.build_parser().parse_args(["generate", "--prompt", "Hello"])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    caplog.set_level(logging.INFO, logger="jaxserve.runner.model_runner")
+    caplog.set_level(logging.INFO, logger="jaxserve.runner.warmup")
     out = io.StringIO()
     reason = commands.generate(None, engine_args.engine_config(args, "jaxserve-tiny"), "Hello", params, out=out,
                                show_progress=False)
     warmed = [int(m.group(1)) for r in caplog.records
               if (m := re.search(r"warm-up compiled (\d+) programs", r.getMessage()))]
-    # One forward (a 1-token prompt prefills in the decode bucket), the sampler's history widths
-    # of a 16-token context, the page copy; the server's defaults compile 9 to 12.
+    # The smallest bucket's forward, its sampler at every history width, the page copy
     assert len(warmed) == 1 and warmed[0] <= 7
     expected = llm.generate(["Hello"], params)[0].outputs[0]  # 4 sequences, 32-token steps
     assert reason == "length" and out.getvalue() == expected.text + "\n" and len(expected.token_ids) == 12

@@ -243,3 +243,43 @@ def test_a_restart_loads_a_draft_models_or_eagle_heads_programs_too(tmp_path, mo
     assert run_all(restart, requests()) == expected
     assert restart.scheduler.spec_stats.num_draft_tokens == first.scheduler.spec_stats.num_draft_tokens
     assert restart.runner.compilations_after_warmup == 0
+
+
+def test_serve_llm_and_generate_share_programs_and_request_values_change_no_key(tmp_path, monkeypatch):
+    """`jaxserve serve`'s engine compiles; `LLM()` with the same sizes then loads every program and
+    compiles none; `generate` keys its programs like serve whatever its --max-tokens."""
+    monkeypatch.setattr(model_runner, "cache_directory", program_store.cache_directory)  # the store, as users get it
+    previous = jax.config.jax_compilation_cache_dir  # the suite's, given back below
+    try:
+        _share(tmp_path)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+
+
+def _share(tmp_path):
+    from jaxserve.engine.loading import load_engine_core
+    from jaxserve.entrypoints import cli, engine_args
+    from jaxserve.entrypoints.llm import LLM
+
+    sizes = ["--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--max-model-len", "64",
+             "--compilation-cache-dir", str(tmp_path)]
+
+    def config(command, *extra):
+        argv = [command, *sizes, *extra] + (["--prompt", "p"] if command == "generate" else [])
+        return engine_args.engine_config(cli.build_parser().parse_args(argv), "jaxserve-tiny")
+
+    serve_cfg = config("serve", "--warmup", "full")
+    core, _, _ = load_engine_core(None, serve_cfg)
+    compiled = core.runner.programs.compiled
+    assert compiled == _programs(core) and core.runner.programs.loaded == 0
+    llm = LLM(None, show_progress=False, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+              compilation_cache_dir=str(tmp_path), warmup="full")
+    assert (llm.core.runner.programs.compiled, llm.core.runner.programs.loaded) == (0, compiled)
+    assert llm.core.runner.programs._dir == core.runner.programs._dir
+    # request-level values and host-only settings are not part of a program's key
+    fields = serve_cfg.program_fields()
+    for other in (config("generate", "--max-tokens", "7"), config("generate", "--max-tokens", "300"),
+                  config("serve", "--seed", "3", "--max-waiting-requests", "5", "--warmup", "background",
+                         "--no-enable-prefix-caching", "--scheduling-policy", "priority")):
+        assert other.program_fields() == fields
+    assert config("serve", "--page-size", "8").program_fields() != fields

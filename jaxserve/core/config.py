@@ -276,6 +276,13 @@ def _parse_hf(cfg: dict) -> ModelConfig:
 # How long a PD decode instance waits for a prompt's pages (the HTTP export, and with `jax` the pull).
 KV_TRANSFER_TIMEOUT_S = 30.0
 LOAD_FORMATS = ("auto", "dummy")  # read the checkpoint; random weights drawn on the devices (checkpoints/random_init.py)
+WARMUP_MODES = ("full", "background")
+# EngineConfig fields no compiled program depends on (the host's scheduling, logging, limits and
+# paths; the pool's memory settings, which reach programs only through the resolved num_kv_pages)
+HOST_ONLY_FIELDS = frozenset({
+    "model_id", "enable_prefix_caching", "scheduling_policy", "load_format", "kv_offload_gib", "kv_role",
+    "compilation_cache_dir", "max_waiting_requests", "seed", "async_scheduling", "lora_modules", "max_cpu_loras",
+    "memory_utilization", "kv_cache_memory", "warmup"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +325,9 @@ class EngineConfig:
     max_loras: int = 4                       # device slots
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None         # adapters kept in host memory (LRU; None: max_loras)
+    # "full": every program compiled before serving; "background": the smallest bucket, then the
+    # rest on a thread while steps run on the buckets ready (runner/background_compile.py)
+    warmup: str = "full"
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
@@ -350,6 +360,8 @@ class EngineConfig:
         if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
             raise ValueError(f"EngineConfig.memory_utilization must be in (0, 1], got {self.memory_utilization}")
         kv_quant.check_name(self.kv_cache_dtype)
+        if self.warmup not in WARMUP_MODES:
+            raise ValueError(f"--warmup must be one of {', '.join(WARMUP_MODES)}, got {self.warmup!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"EngineConfig.scheduling_policy must be 'fcfs' or 'priority', "
                              f"got {self.scheduling_policy!r}")
@@ -357,6 +369,11 @@ class EngineConfig:
                 and self.max_num_batched_tokens < self.max_num_seqs):
             raise ValueError("EngineConfig.max_num_batched_tokens must be >= max_num_seqs "
                              "(every running sequence needs one decode token per step)")
+
+    def program_fields(self) -> dict[str, Any]:
+        """The fields that shape compiled programs (the program store's key): everything but what
+        only the host reads, so `serve`, `LLM()` and `generate` with the same sizes share programs."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in HOST_ONLY_FIELDS}
 
     @property
     def max_pages_per_seq(self) -> int:

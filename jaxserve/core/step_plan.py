@@ -5,6 +5,7 @@ scheduler. Pure Python; no jax."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxserve.core.request import Request, Sequence, TokenEvent
 
@@ -78,3 +79,20 @@ class SwapCosts:
 
     recompute_seconds_per_token: float  # prefill of one token again
     move_seconds_per_page: float        # one page out to host memory and back
+
+
+def sampled_tokens(plan: StepPlan, out: Any) -> list[SampledToken]:
+    """One SampledToken per sample row of a fetched sampler output (numpy token_ids, logprobs,
+    top_ids, top_logprobs), in plan order (a chunk with d drafts has d + 1 rows)."""
+    sampled = []
+    row = 0
+    for chunk in plan.chunks:
+        want = chunk.request.params.logprobs
+        for _ in range(chunk.num_sample_rows):
+            top = None
+            if want:
+                top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[row, :want], out.top_logprobs[row, :want])]
+            logprob = float(out.logprobs[row]) if want is not None else None
+            sampled.append(SampledToken(chunk.seq_id, int(out.token_ids[row]), logprob, top))
+            row += 1
+    return sampled

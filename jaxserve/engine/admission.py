@@ -47,12 +47,30 @@ class Admission:
         key = (req.arrival_time, self._order[req.request_id], seq.sample_index)
         return (req.priority, *key) if self._priority else key
 
+    def _step_tokens(self) -> int:
+        """Tokens a step may hold: the budget, or less while only small buckets are compiled."""
+        limit = self.step_limit
+        return self.config.max_num_batched_tokens if limit is None else min(limit[0], self.config.max_num_batched_tokens)
+
+    def _step_seqs(self) -> int:
+        """Sequences that may run: max_num_seqs, or fewer while only small buckets are compiled."""
+        limit = self.step_limit
+        return self.config.max_num_seqs if limit is None else min(limit[1], self.config.max_num_seqs)
+
+    def _note_token_limit(self, budget_left: int) -> None:
+        """The step limit held back tokens when it used the whole step and prompts remain."""
+        if budget_left == 0 and self._step_tokens() < self.config.max_num_batched_tokens and (
+                self._waiting or any(s.target_len - s.num_computed_tokens > 1 for s in self._running)):
+            self.limited = "tokens"
+
     def _admit(self, st: _Step) -> None:
         self._waiting.sort(key=self._unit_key)  # nearly sorted already: linear
         alloc = self.allocator
         while self._waiting and st.budget > 0:
             unit = self._waiting[0]
-            if len(self._running) + len(unit) > self.config.max_num_seqs:
+            if len(self._running) + len(unit) > self._step_seqs():
+                if self._step_seqs() < self.config.max_num_seqs:
+                    self.limited = "seqs"  # a bucket of more sequences is still compiling
                 break
             if any(seq.num_inflight for seq in unit):
                 break  # preempted while its last token was in flight: recompute once that is known

@@ -92,6 +92,16 @@ class Engine:
         self.core.abort(request_id)
         self._wake.set()
 
+    def abort_all(self) -> int:
+        """Aborts every request with an open stream (each stream then ends with finish_reason
+        "abort"); returns how many."""
+        with self._lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            self.core.abort(request_id)
+        self._wake.set()
+        return len(ids)
+
     def finish(self, request_id: str, sample_index: int | None = None) -> None:
         """The consumer ended a sample (stop string): the stream gets a final STOP event for it (no
         token), later tokens of it are not delivered, and the stream is dropped once every sample

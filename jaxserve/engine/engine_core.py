@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from jaxserve.core.buckets import choose_bucket
 from jaxserve.core.config import EngineConfig, ModelConfig
 from jaxserve.core.request import Request, TokenEvent
-from jaxserve.core.step_plan import SampledToken, StepPlan
+from jaxserve.core.step_plan import StepPlan, sampled_tokens
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.scheduler import Scheduler, SchedulerStats
 from jaxserve.engine.step_clock import StepTimings
@@ -315,7 +315,10 @@ class EngineCore:
                 jobs, self._kv_jobs = self._kv_jobs, []
             for job in jobs:
                 job()
+        self.scheduler.step_limit = self.runner.step_limit  # compiled buckets only (a background warm-up)
         plan = self.scheduler.schedule()
+        if self.runner.background is not None:  # what to compile next: what held this step back
+            self.runner.background.pressure = self.scheduler.limited or self.runner.background.pressure
         if plan.demotions or plan.promotions:  # host KV tier: before anything reads the pages
             self.runner.move_pages(plan.demotions, plan.promotions)
         if self.runner.proposer is not None and plan.has_drafts:
@@ -357,7 +360,7 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.runner.fetch(step.out)
         t1 = time.perf_counter()
-        events = self.scheduler.update(step.plan, _sampled_tokens(step.plan, out))
+        events = self.scheduler.update(step.plan, sampled_tokens(step.plan, out))
         tm = self.timings
         tm.device += t1 - t0
         tm.update += time.perf_counter() - t1
@@ -379,21 +382,3 @@ class EngineCore:
         if since.num_drafts:
             logger.info("%s", since.summary())
         self._spec_logged = (time.monotonic(), stats.copy())
-
-
-def _sampled_tokens(plan: StepPlan, out: SamplerOutput) -> list[SampledToken]:
-    """One SampledToken per sample row, in plan order (a chunk with d drafts has d + 1 rows)."""
-    sampled = []
-    row = 0
-    for chunk in plan.chunks:
-        want = chunk.request.params.logprobs
-        for _ in range(chunk.num_sample_rows):
-            top = None
-            if want:
-                top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[row, :want], out.top_logprobs[row, :want])]
-            logprob = float(out.logprobs[row]) if want is not None else None
-            sampled.append(SampledToken(chunk.seq_id, int(out.token_ids[row]), logprob, top))
-            row += 1
-    return sampled
-
-

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,6 +59,16 @@ def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
                      tokenizer: Tokenizer | None = None) -> tuple[EngineCore, Tokenizer, Path]:
     """Model dir (None: the embedded default) -> (warmed-up EngineCore, tokenizer, resolved dir).
     `tokenizer`: the model's tokenizer when the caller has loaded it already."""
+    core, tokenizer_load, model_dir = _build(model, engine_cfg, tokenizer)
+    if warmup:
+        core.runner.warmup(progress, background=engine_cfg.warmup == "background")
+    return core, tokenizer_load.result(), model_dir
+
+
+def _build(model: str | Path | None, engine_cfg: EngineConfig,
+           tokenizer: Tokenizer | None) -> tuple[EngineCore, "Future[Tokenizer]", Path]:
+    """The engine, not warmed up, and its tokenizer loading on a thread meanwhile (importing
+    transformers and reading a 150k vocabulary take seconds of a warm start)."""
     model_dir = model_dir_of(model)
     spec = engine_cfg.speculative_config
     if spec is not None and spec.method == "draft_model":
@@ -65,29 +76,31 @@ def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
     elif spec is not None and spec.method == "eagle3":  # fails before the target loads
         from checkpoints.eagle3 import read_config
         read_config(spec.model, ModelConfig.from_hf(model_dir))
+    tokenizer_load: Future[Tokenizer] = Future()
+    if tokenizer is not None:
+        tokenizer_load.set_result(tokenizer)
+    else:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
+        tokenizer_load = pool.submit(Tokenizer.from_pretrained, model_dir)
+        pool.shutdown(wait=False)
     enable_compilation_cache(engine_cfg.compilation_cache_dir)
     dtype = resolve_dtype(engine_cfg.dtype, ModelConfig.from_hf(model_dir).dtype)
     mesh = make_mesh(*engine_cfg.mesh_shape)
     model_cfg, weights = load_model(model_dir, mesh, dtype, engine_cfg.quantization,
                                     layout_rules(engine_cfg.layout, ModelConfig.from_hf(model_dir)),
                                     engine_cfg.load_format)
-    # The KV pool is filled asynchronously on the device: the tokenizer loads meanwhile.
-    core = EngineCore(model_cfg, weights, engine_cfg, mesh, dtype)
-    tokenizer = tokenizer or Tokenizer.from_pretrained(model_dir)
-    if warmup:
-        core.runner.warmup(progress)
-    return core, tokenizer, model_dir
+    return EngineCore(model_cfg, weights, engine_cfg, mesh, dtype), tokenizer_load, model_dir
 
 
 def load_with_progress(model: str | Path | None, engine_cfg: EngineConfig, show_progress: bool = True,
                        tokenizer: Tokenizer | None = None,
                        before_warmup: Callable[[EngineCore], None] | None = None) -> tuple[EngineCore, Tokenizer, Path]:
     """load_engine_core with progress bars on stderr: one while the model loads, one tick per
-    compiled program while every bucket warms up (minutes on large models). before_warmup: called
-    with the built engine before it compiles anything."""
+    program compiled before serving. before_warmup: called with the built engine before it
+    compiles anything."""
     name = str(model) if model is not None else DISPLAY_NAME
     with tqdm(total=1, desc=f"loading {name}", file=sys.stderr, disable=not show_progress) as bar:
-        core, tokenizer, model_dir = load_engine_core(model, engine_cfg, warmup=False, tokenizer=tokenizer)
+        core, tokenizer_load, model_dir = _build(model, engine_cfg, tokenizer)
         bar.update(1)
     if before_warmup is not None:
         before_warmup(core)
@@ -102,8 +115,8 @@ def load_with_progress(model: str | Path | None, engine_cfg: EngineConfig, show_
         compile_bar.update(done - compile_bar.n)
 
     try:
-        core.runner.warmup(progress)
+        core.runner.warmup(progress, background=engine_cfg.warmup == "background")
     finally:
         if compile_bar is not None:
             compile_bar.close()
-    return core, tokenizer, model_dir
+    return core, tokenizer_load.result(), model_dir

@@ -126,6 +126,10 @@ class Scheduler(Admission, Inbox):
         self._num_swap_preemptions = 0
         self._num_swapped_in_pages = 0
         self.swap_costs: SwapCosts | None = None  # set by the engine when there is a host KV tier
+        # (tokens, sequences) a step may hold while only some buckets are compiled (a background
+        # warm-up: runner/background_compile.py); None: the configured limits
+        self.step_limit: tuple[int, int] | None = None
+        self.limited: str | None = None  # what step_limit held back in the last plan: "tokens" | "seqs"
         self.num_discarded_tokens = 0  # sampled after their sequence had finished (async scheduling)
         self._outstanding = 0  # plans with chunks scheduled and not yet updated
         spec = getattr(cfg, "speculative_config", None)
@@ -176,7 +180,8 @@ class Scheduler(Admission, Inbox):
         if self._outstanding > 1:
             raise RuntimeError(f"{self._outstanding} plans await update(); async scheduling plans one "
                                "step ahead at most")
-        st = _Step(StepPlan(), self.config.max_num_batched_tokens)
+        st = _Step(StepPlan(), self._step_tokens())
+        self.limited = None
         if self.drafting is not None:
             self.drafting.start_step()
         with self._lock:
@@ -203,6 +208,7 @@ class Scheduler(Admission, Inbox):
                     self._schedule_seq(seq, st, allow_preempt=True)
         if not st.preempted:
             self._admit(st)
+        self._note_token_limit(st.budget)
 
         plan = st.plan
         moves = self.allocator.drain_transfers()

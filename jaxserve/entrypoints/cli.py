@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds per request (default: no limit)")
     g.add_argument("--max-request-bytes", type=parse_size, default=16 * 2**20, help="largest request body")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may run after SIGTERM")
+                   help="seconds in-flight requests may still run after SIGTERM or Ctrl+C (both), after which "
+                   "they end with finish_reason \"abort\"; a second Ctrl+C stops at once")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")

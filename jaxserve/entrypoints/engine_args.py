@@ -106,6 +106,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=("auto", "reference", "tiled", "cpu", "tpu", "gpu"), default="auto",
                    help="attention implementation; auto picks the platform's kernel (on CPU: 'cpu', the tiled jnp "
                         "path with a native decode kernel built at first use, or 'tiled' where no compiler is)")
+    g.add_argument("--warmup", choices=("background", "full"), default="background",
+                   help="background: serve as soon as the smallest step shape is compiled and compile the others "
+                   "on a thread, steps taking the shapes ready meanwhile (never a compile on the request path); full: "
+                   "compile every program before /health says ready")
     g.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache directory; "
                    "'' turns it off (default: $XDG_CACHE_HOME or ~/.cache, then jaxserve/xla)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
@@ -187,7 +191,7 @@ def engine_config(args: argparse.Namespace, model_id: str) -> "EngineConfig":  #
         attention_backend=args.attention_backend, compilation_cache_dir=args.compilation_cache_dir, max_waiting_requests=args.max_waiting_requests,
         seed=args.seed, speculative_config=args.speculative_config, **lora_slot_fields(args),
         lora_modules=tuple(args.lora_modules),
-        max_cpu_loras=args.max_cpu_loras)
+        max_cpu_loras=args.max_cpu_loras, warmup=args.warmup)
 
 
 def add_lora_slot_args(g: argparse._ArgumentGroup) -> None:

@@ -47,12 +47,15 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, *, show_progress: bool = True,
                  **engine_kwargs: Any) -> None:
-        """engine_kwargs are EngineConfig fields. show_progress: the server's progress bars on stderr
-        while the model loads and every bucket compiles (minutes on large models)."""
+        """engine_kwargs are EngineConfig fields (warmup="full" compiles every bucket before
+        returning; the default "background" only the smallest). show_progress: the server's progress
+        bars on stderr while the model loads and the first programs compile."""
         from jaxserve.core.quiet import quiet_startup
 
         quiet_startup()
         model_id = str(model) if model is not None else "jaxserve-tiny"
+        # generating starts once the smallest bucket compiles; the rest compile meanwhile (as serve)
+        engine_kwargs.setdefault("warmup", "background")
         self.engine_cfg = EngineConfig(model_id=model_id, **engine_kwargs)
         self.core, self.tokenizer, self.model_dir = load_with_progress(model, self.engine_cfg, show_progress)
         self._grammars: GrammarCompiler | None = None

@@ -1,6 +1,9 @@
-"""Counts XLA backend compiles in this process (jax's monitoring event), so warm-up can prove that
-every declared program compiled and a step after it can prove that nothing did: no compile on the
-request path."""
+"""Counts XLA backend compiles (jax's monitoring event), so warm-up can prove that every declared
+program compiled and a step after it can prove that nothing did: no compile on the request path.
+
+Counts are per thread: jax compiles on the thread that asks, so the serving thread's count moves
+only with its own compiles, never with the programs a background thread compiles meanwhile
+(runner/background_compile.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +16,13 @@ _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class CompileCounter:
-    """Counts XLA backend compilations process-wide (jax.monitoring has no unregister, so one
-    listener is installed once and runners read deltas)."""
+    """Counts XLA backend compilations per thread (jax.monitoring has no unregister, so one
+    listener is installed once and runners read deltas of their own thread's count)."""
 
     _lock = threading.Lock()
-    _count = 0
     _installed = False
+    _local = threading.local()
+    _total = 0
 
     @classmethod
     def install(cls) -> None:
@@ -26,11 +30,18 @@ class CompileCounter:
             if not cls._installed:
                 def on_event(event: str, duration: float, **kwargs: Any) -> None:
                     if event == _COMPILE_EVENT:
+                        cls._local.count = getattr(cls._local, "count", 0) + 1
                         with cls._lock:
-                            cls._count += 1
+                            cls._total += 1
                 jax.monitoring.register_event_duration_secs_listener(on_event)
                 cls._installed = True
 
     @classmethod
     def count(cls) -> int:
-        return cls._count
+        """Compilations this thread has run."""
+        return getattr(cls._local, "count", 0)
+
+    @classmethod
+    def total(cls) -> int:
+        """Compilations of every thread."""
+        return cls._total

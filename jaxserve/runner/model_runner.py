@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any, Callable
 
 import jax
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxserve.core.buckets import Program, serving_programs
+from jaxserve.core.buckets import Program
 from jaxserve.core.capacity import plan_capacity, swap_costs
 from jaxserve.core.config import EngineConfig, ModelConfig
 from jaxserve.core.step_plan import StepPlan, SwapCosts
@@ -39,19 +38,21 @@ from jaxserve.model.weights import Weights
 from jaxserve.parallel import sharding
 from jaxserve.parallel.layouts import layout_rules
 from jaxserve.quant import kv as kv_quant
+from jaxserve.runner.background_compile import BucketCompiler
 from jaxserve.runner.compile_counter import CompileCounter
-from jaxserve.runner.host_tier import HostTier, read_pages, scatter_runs, warm_page_moves, write_pages
+from jaxserve.runner.host_tier import HostTier, read_pages, scatter_runs, write_pages
 from jaxserve.runner.kv_pull import TransferEndpoint
 from jaxserve.runner.machine import machine_info
 from jaxserve.runner.packing import pack
 from jaxserve.runner.program_store import ProgramTable, cache_directory, fingerprint
-from jaxserve.runner.programs import (DONATED, FORWARD_STATICS, abstract_lora, copy_step, copy_width, dummy_arrays,
-    dummy_sampling, forward_step, kv_dtype, lower_program, rows_width, sample_step)
+from jaxserve.runner.programs import (DONATED, FORWARD_STATICS, abstract_lora, copy_step, copy_width, forward_step,
+    kv_dtype, lower_program, rows_width, sample_step)
 from jaxserve.runner.proposers.draft_model import DraftRunner, check_compatible
 from jaxserve.runner.proposers.eagle3 import EagleRunner
 from jaxserve.runner.sampler import SamplerOutput, bitmask_words
 from jaxserve.runner.sampling_tensors import SamplingTensors
 from jaxserve.runner.step_inputs import StepArrays, StepInputBuilder, StepInputs, row_that_sampled, sampler_spans
+from jaxserve.runner.warmup import warm_up
 
 logger = logging.getLogger("jaxserve.runner.model_runner")
 
@@ -127,9 +128,11 @@ class ModelRunner:
         self._prev_ids = self._put(np.zeros(self._rows_width, np.int32))
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> [rows, W] int32 all-ones bitmask
         # every program by bucket (the target's, and a draft's or EAGLE head's), loaded from the
-        # compilation cache dir without tracing
-        # the attention's name: "auto" resolves per machine (a native CPU kernel that built, or not)
-        self.programs = ProgramTable(cache_directory(), fingerprint(model_cfg, engine_cfg, self.dtype, rules,
+        # compilation cache dir without tracing; keyed on what shapes programs only, so every entry
+        # point with the same sizes shares them. The attention's name: "auto" resolves per machine
+        # (a native CPU kernel that built, or not)
+        self.programs = ProgramTable(cache_directory(), fingerprint(model_cfg, engine_cfg.program_fields(), self.dtype,
+                                                                    rules,
                                                                     mesh.shape, mesh.devices.tolist(),
                                                                     getattr(self._attention, "__name__", "")),
                                      list(mesh.devices.flat))
@@ -145,6 +148,9 @@ class ModelRunner:
         self.lora = self._lora_slots() if engine_cfg.enable_lora else None
         self.warmed_up = False
         self.compilations_after_warmup = 0
+        self.background: BucketCompiler | None = None  # compiling the buckets a background warm-up left out
+        self.step_limit: tuple[int, int] | None = None  # the largest bucket a step may take (None: any declared)
+        self.programs_declared = 0  # serving programs (set by warm-up)
         # Multi-host leader: every step's device calls are sent to the other processes first
         # (multihost.Followers), which dispatch the same programs over their own shards.
         self.followers: Any = None
@@ -356,43 +362,22 @@ class ModelRunner:
 
     # -- warm-up -------------------------------------------------------------------------------
 
-    def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> float:
-        """Compiles and runs every declared program (programs.serving_programs) once; returns seconds."""
-        start = time.perf_counter()
-        programs = serving_programs(self.engine_cfg, self.model_cfg)
-        max_pages, pad_slot = self.engine_cfg.max_pages_per_seq, self.num_pages * self.engine_cfg.page_size
-        # Steps feed the sample program's padded ids to the next forward: prime that buffer with a
-        # real one, so the forwards below compile for the sharding steps will give them.
-        first = programs[0]
-        lora = self.engine_cfg.enable_lora
-        logits, self.kv = self._forward(dummy_arrays(first, max_pages, pad_slot, lora))
-        _, self._prev_ids = self._sample(logits, dummy_sampling(first.logits, 0))
-        logits_by_rows = {}  # real forward outputs, so the sampler sees the shardings steps will give it
-        for done, p in enumerate(programs, 1):
-            if p.kind == "forward":
-                logits_by_rows[p.logits], self.kv = self._forward(dummy_arrays(p, max_pages, pad_slot, lora))
-                if self.eagle is not None:
-                    self.eagle.warm_fill(p, self._aux, self._prev_ids)
-            elif p.kind == "sample":
-                jax.block_until_ready(self._sample(logits_by_rows[p.rows], dummy_sampling(p.rows, p.history)))
-            else:
-                self._copy_pages(np.zeros((1, 2), np.int32))  # page 0 onto itself: no change
-                jax.block_until_ready(self.kv.k[0])
-            if progress:
-                progress(done, len(programs), p.name)
-        if self.draft is not None:
-            logger.info("draft model: %d programs warmed up", self.draft.warmup(self._prev_ids))
-        if self.eagle is not None:
-            logger.info("EAGLE-3 head: a fill per forward program, %d proposal programs warmed up",
-                        self.eagle.warm_propose())
-        if self.lora is not None:
-            self.lora.warmup()
-        if self.host_tier is not None or self.engine_cfg.kv_role is not None:  # host tier, PD exports/imports
-            self.kv = warm_page_moves(self.kv, self._put)
-        if self._proposer_tier is not None:
-            self.proposer.kv = warm_page_moves(self.proposer.kv, self._put)
-        self.warmed_up = True
-        seconds = time.perf_counter() - start
-        logger.info("warm-up compiled %d programs in %.1fs (%d loaded without tracing, %d compiled)", len(programs),
-                    seconds, self.programs.loaded, self.programs.compiled)
-        return seconds
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None, background: bool = False) -> float:
+        """Compiles and runs the declared programs; returns seconds (runner/warmup.py). background:
+        the smallest bucket now, the others on a thread while steps run on the ready ones."""
+        return warm_up(self, progress, background)
+
+    @property
+    def programs_compiled(self) -> int:
+        """Serving programs compiled so far (all of programs_declared once warm-up and any
+        background compilation are done)."""
+        if self.background is not None:
+            return self.background.num_compiled
+        return self.programs_declared if self.warmed_up else 0
+
+    def set_ready_buckets(self, buckets: list[tuple[int, int]]) -> None:
+        """Steps may take these buckets (called by the background compiler's thread: one assignment
+        each, read by the serving thread at its next step)."""
+        self.builder.buckets = buckets
+        self.step_limit = max(buckets, key=lambda b: (b[0] * b[1], b[1]))
+

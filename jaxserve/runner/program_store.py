@@ -119,10 +119,13 @@ def fingerprint(*parts: Any) -> str:
     import jaxlib
 
     devices = jax.devices()
+    platform = devices[0].client.platform
+    # libtpu's settings matter to TPU programs only (every entry point sets them on other machines)
+    env = [k for k in _ENV_FLAGS if platform == "tpu" or not k.startswith(("LIBTPU", "TPU"))]
     h = hashlib.sha256(_source_digest())
-    for part in (jax.__version__, jaxlib.__version__, devices[0].client.platform,
+    for part in (jax.__version__, jaxlib.__version__, platform,
                  devices[0].client.platform_version, [(d.id, d.device_kind) for d in devices],
-                 [os.environ.get(k, "") for k in _ENV_FLAGS], _config_values(), *parts):
+                 [os.environ.get(k, "") for k in env], _config_values(), *parts):
         h.update(repr(part).encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -157,6 +160,7 @@ class ProgramTable:
         self._devices = devices
         self._name_suffix = fingerprint[:12]
         self._jits: dict[Any, Any] = {}  # function -> its jax.jit under this fingerprint's name
+        self._lock = threading.Lock()
         self._compiled: dict[Hashable, jax.stages.Compiled] = {}
         self._pending: dict[str, Future] = {}  # file name -> its load, started at construction
         self.loaded = 0     # programs from the store (read from disk, or already in this process)
@@ -192,19 +196,28 @@ class ProgramTable:
                            str(e).splitlines()[0])
             return fn(*args, **kwargs, **statics)
 
+    def compile_ahead(self, key: Hashable, fn: Any, statics: dict[str, Any], donate: tuple[str, ...], *args: Any,
+                      **kwargs: Any) -> None:
+        """Loads or compiles the program for `key` without running it, as `call` would on its first
+        use: args may be ShapeDtypeStructs (with the shardings the real arguments will have), so a
+        background thread can prepare programs while steps run (runner/background_compile.py)."""
+        if key not in self._compiled:
+            self._compiled[key] = self._load_or_compile(fn, statics, donate, args, kwargs)
+
     def _own_jit(self, fn: Any, static_argnames: tuple[str, ...], donate_argnames: tuple[str, ...]) -> Any:
         """`fn`'s function jitted again under a name of this fingerprint's (the HLO module's name is
         part of jax's cache key): compiling it is a real compile, never a load from jax's cache."""
         fun = fn.__wrapped__
-        jitted = self._jits.get(fun)
-        if jitted is None:
-            @functools.wraps(fun)
-            def program(*args: Any, **kwargs: Any) -> Any:
-                return fun(*args, **kwargs)
+        with self._lock:  # the serving thread and a background compile may both ask
+            jitted = self._jits.get(fun)
+            if jitted is None:
+                @functools.wraps(fun)
+                def program(*args: Any, **kwargs: Any) -> Any:
+                    return fun(*args, **kwargs)
 
-            program.__name__ = program.__qualname__ = f"{fun.__name__}_{self._name_suffix}"
-            jitted = self._jits[fun] = jax.jit(program, static_argnames=static_argnames,
-                                               donate_argnames=donate_argnames)
+                program.__name__ = program.__qualname__ = f"{fun.__name__}_{self._name_suffix}"
+                jitted = self._jits[fun] = jax.jit(program, static_argnames=static_argnames,
+                                                   donate_argnames=donate_argnames)
         return jitted
 
     def _path(self, fn: Any, statics: dict[str, Any], args: tuple, kwargs: dict) -> Path | None:
@@ -222,15 +235,19 @@ class ProgramTable:
         path = self._path(fn, statics, args, kwargs) if self._dir is not None else None
         if path is not None:
             future = self._pending.pop(path.name, None)
+            if future is not None and future.cancel():
+                future = None  # not started: read it here rather than after the entries queued before it
             if future is not None or path.exists():
                 try:
                     compiled = future.result() if future is not None else self._load(path)
-                    self.loaded += 1
+                    with self._lock:
+                        self.loaded += 1
                     return compiled
                 except Exception as e:  # noqa: BLE001 — a bad entry is recompiled and rewritten
                     logger.warning("compiled program %s unreadable (%s: %s): compiling it", path.name,
                                    type(e).__name__, e)
-        self.compiled += 1
+        with self._lock:
+            self.compiled += 1
         if path is None:
             return fn.lower(*args, **kwargs, **statics).compile()
         hits = _cache_hits()

@@ -93,7 +93,9 @@ def build_app(loader: Loader, config: ServerConfig) -> Starlette:
     async def health(request: Request) -> Response:
         engine = state.engine
         if state.status == "ready" and engine is not None and engine.error is None:
-            return JSONResponse({"status": "ok"})
+            runner = state.core.runner  # serving while the rest compiles in the background: how far
+            return JSONResponse({"status": "ok", "programs_compiled": runner.programs_compiled,
+                                 "programs_declared": runner.programs_declared})
         detail = {"status": state.status if engine is None or engine.error is None else "engine_failed"}
         if state.error is not None:
             detail["error"] = str(state.error)

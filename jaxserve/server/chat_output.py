@@ -5,7 +5,8 @@ the tool parser when the request's tools may be called. Streaming feeds each tex
 same parsers a whole response uses (`message()` is feed + finish on fresh parsers), so the streamed
 fields concatenate to the non-streamed ones. When the tool choice is forced the grammar made the
 output calls, so `message()` reports exactly what the stream sends (a call cut off by max_tokens is
-still that call) instead of the tool parser's stricter reading of free text.
+still that call) instead of the tool parser's stricter reading of free text; so does an answer cut
+by max_tokens (`truncated`), where a call not yet announced is dropped: its markup is never content.
 """
 
 from __future__ import annotations
@@ -33,19 +34,24 @@ class ChoiceOutput:
         """Delta fields for a chunk (empty when everything is held back)."""
         return self._delta(*self._split(text, final=False))
 
-    def finish(self) -> dict[str, Any]:
-        return self._delta(*self._split("", final=True))
+    def finish(self, truncated: bool = False) -> dict[str, Any]:
+        """The last delta; truncated: generation stopped at max_tokens (a call being written is cut)."""
+        return self._delta(*self._split("", final=True, truncated=truncated))
 
-    def message(self, text: str) -> dict[str, Any]:
-        """The whole assistant message for `text` (fresh parsers: independent of any stream)."""
+    def message(self, text: str, truncated: bool = False) -> dict[str, Any]:
+        """The whole assistant message for `text` (fresh parsers: independent of any stream);
+        truncated: it stopped at max_tokens, so it is read as its stream was (a cut call never
+        leaks its markup into content)."""
         out = ChoiceOutput(self._reasoning_cls, self._tool_cls, self._tools, self._prompt_text, self._forced)
         reasoning, content = None, text
         if out._reasoning is not None:
             reasoning, content = out._reasoning.parse(text)
         calls: list[ToolCall] = []
         if out._calls is not None:
-            parse = out._calls.parse_as_streamed if self._forced else out._calls.parse
-            content, calls = parse(content or "")
+            if self._forced or truncated:
+                content, calls = out._calls.parse_as_streamed(content or "", truncated)
+            else:
+                content, calls = out._calls.parse(content or "")
         if not content:  # OpenAI: null beside tool calls; vLLM: null when everything was reasoning
             content = None if calls or out._reasoning is not None else ""
         msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
@@ -56,7 +62,7 @@ class ChoiceOutput:
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         return msg
 
-    def _split(self, text: str, final: bool) -> tuple[str, str, list[ToolCallDelta]]:
+    def _split(self, text: str, final: bool, truncated: bool = False) -> tuple[str, str, list[ToolCallDelta]]:
         reasoning, content = "", text
         if self._reasoning is not None:
             d = self._reasoning.finish() if final else self._reasoning.feed(text)
@@ -65,7 +71,7 @@ class ChoiceOutput:
         if self._calls is not None:
             content, calls = self._calls.feed(content) if content else ("", [])
             if final:
-                more, tail = self._calls.finish()
+                more, tail = self._calls.finish(truncated)
                 content, calls = content + more, calls + tail
         return reasoning, content, calls
 

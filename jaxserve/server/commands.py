@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib.util
 import sys
 import uuid
@@ -16,17 +15,15 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.text.tokenizer import Tokenizer
 
 BENCH_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
-# `generate`'s prefill bucket when the step budget is unset: longer prompts prefill in chunks of
-# this many tokens, so one program serves every prompt length and the step's activations stay small.
-MAX_GENERATE_PREFILL = 2048
 
 
 def generate(model: str | None, engine_cfg: EngineConfig, prompt: str, params: SamplingParams, chat: bool = False,
              out: TextIO = sys.stdout, show_progress: bool = True) -> str:
     """Loads the model, generates one completion of `prompt` and prints its text as it streams.
 
-    The engine runs `generate_engine_config(engine_cfg, ...)`: one request needs only a few of the
-    programs a server declares. Returns the finish reason. Raises ValueError for invalid parameters
+    The engine is the one `serve` would run with the same flags, so the two share compiled programs
+    (with the default background warm-up the request starts on the smallest step shape while the
+    others compile). Returns the finish reason. Raises ValueError for invalid parameters
     or prompts."""
     from jaxserve.engine.async_engine import Engine
     from jaxserve.engine.loading import load_with_progress, model_dir_of
@@ -42,9 +39,8 @@ def generate(model: str | None, engine_cfg: EngineConfig, prompt: str, params: S
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     if not ids:
         raise ValueError("the prompt encodes to zero tokens")
-    one_request_cfg = generate_engine_config(engine_cfg, len(ids), params.max_tokens,
-                                             ModelConfig.from_hf(model_dir).max_position_embeddings)
-    core, _, _ = load_with_progress(model, one_request_cfg, show_progress, tokenizer=tokenizer)
+    check_request_fits(engine_cfg, len(ids), params.max_tokens, ModelConfig.from_hf(model_dir).max_position_embeddings)
+    core, _, _ = load_with_progress(model, engine_cfg, show_progress, tokenizer=tokenizer)
 
     async def run() -> str:
         engine = Engine(core)
@@ -66,36 +62,13 @@ def generate(model: str | None, engine_cfg: EngineConfig, prompt: str, params: S
     return asyncio.run(run())
 
 
-def generate_engine_config(cfg: EngineConfig, prompt_len: int, max_tokens: int | None,
-                           model_max_len: int) -> EngineConfig:
-    """`cfg` cut down to one request of `prompt_len` prompt tokens and up to `max_tokens` more.
-
-    Warm-up compiles every declared bucket, and a server's grid (many sequences, several step sizes,
-    sampler history widths for a long context) costs far more than one request uses: here one
-    sequence, a prefill bucket that holds the prompt (chunked above cfg's step budget) plus the
-    decode bucket 1, a context of prompt + output and a KV pool of just that context. Sizes are
-    rounded up to powers of two so that prompts of similar length compile the same programs (the
-    persistent compilation cache then serves them). Unset (None) limits of cfg fall back to the
-    model's context `model_max_len` and MAX_GENERATE_PREFILL. Raises ValueError, before anything
-    loads, when the request cannot fit the context."""
+def check_request_fits(cfg: EngineConfig, prompt_len: int, max_tokens: int | None, model_max_len: int) -> None:
+    """Raises ValueError, before anything loads, when one request of `prompt_len` prompt tokens and
+    up to `max_tokens` more cannot fit the context (--max-model-len, else the model's)."""
     limit = min(cfg.max_model_len or model_max_len, model_max_len)
-    context = limit if max_tokens is None else prompt_len + max_tokens
-    if context > limit:
-        raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {context} exceeds "
-                         f"the context limit {limit} (--max-model-len or the model's max_position_embeddings)")
-    prefill = min(_power_of_two_at_least(prompt_len), cfg.max_num_batched_tokens or MAX_GENERATE_PREFILL)
-    # with speculative decoding a decode carries up to k drafts: a bucket of 1 + k tokens too
-    spec = cfg.speculative_config
-    decodes = {1, 1 + spec.num_speculative_tokens} if spec is not None else {1}
-    prefill = max(prefill, *decodes)
-    max_model_len = min(_power_of_two_at_least(context), limit)
-    return dataclasses.replace(cfg, max_num_seqs=1, seq_buckets=(1,), max_num_batched_tokens=prefill,
-                               token_buckets=tuple(sorted({*decodes, prefill})), max_model_len=max_model_len,
-                               num_kv_pages=-(-max_model_len // cfg.page_size))
-
-
-def _power_of_two_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    if max_tokens is not None and prompt_len + max_tokens > limit:
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
+                         f"exceeds the context limit {limit} (--max-model-len or the model's max_position_embeddings)")
 
 
 def convert(src: str, dst: str, dtype: str | None = None, quantization: str | None = None) -> Path:

@@ -145,7 +145,7 @@ async def _chat_events(state: ServerState, gen: GenerationRequest, resp: _Respon
             else:
                 delta = out.feed(d.text) if d.text else {}
                 if d.finish_reason is not None:
-                    delta = _merge(delta, out.finish())
+                    delta = _merge(delta, out.finish(d.finish_reason == "length"))
                 elif not delta and not d.logprobs:
                     continue  # held back by a parser (a partial tag)
             logprobs = R.chat_logprobs(d.logprobs, state.strings) if gen.params.logprobs is not None else None
@@ -204,7 +204,7 @@ async def complete(state: ServerState, gen: GenerationRequest, resp: _Response, 
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]})
         else:
             lp = R.chat_logprobs(entries[i], state.strings) if want else None
-            message = outputs[i].message(text)
+            message = outputs[i].message(text, finish[i] == "length")
             choices.append({"index": i, "message": message, "logprobs": lp,
                             "finish_reason": finish_reason(finish[i], "tool_calls" in message)})
     build = R.completion_response if gen.kind == "completion" else R.chat_response

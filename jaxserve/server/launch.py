@@ -35,6 +35,9 @@ logger = logging.getLogger("jaxserve.server")
 # After the drain: how long uvicorn waits for responses still open before cancelling them. The
 # drain itself (up to shutdown_timeout) already waited for every request that could finish.
 FINAL_GRACE_SECONDS = 1.0
+# At the shutdown timeout the requests still running are aborted: this long for their streams to
+# send the final event (finish_reason "abort") and [DONE] before uvicorn closes what is left.
+ABORT_GRACE_SECONDS = 5.0
 
 
 def model_loader(model: str | None, engine_cfg: EngineConfig, show_progress: bool = True,
@@ -77,6 +80,7 @@ class GracefulServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self.model = model                         # what is loading, for the "listening" line
         self.drain_deadline: float | None = None   # monotonic; set by the first signal
+        self.aborted_at: float | None = None       # monotonic; when the timeout aborted what still ran
 
     async def startup(self, sockets: list[Any] | None = None) -> None:
         """Binds, then says so in our words (quiet.py drops uvicorn's "Uvicorn running on" line,
@@ -89,8 +93,9 @@ class GracefulServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain_deadline is None:
             self.drain_deadline = time.monotonic() + self.drain_timeout
-            self.app_state.begin_drain()
+            self.app_state.begin_drain(self.drain_timeout)
         elif sig == signal.SIGINT:  # a second Ctrl+C: stop without waiting
+            logger.info("stopping now")
             self.should_exit = self.force_exit = True
 
     async def on_tick(self, counter: int) -> bool:
@@ -101,11 +106,15 @@ class GracefulServer(uvicorn.Server):
             return False
         if self.app_state.in_flight == 0:
             return True
-        if time.monotonic() >= self.drain_deadline:
-            logger.warning("shutdown timeout of %gs reached: aborting %d in-flight requests", self.drain_timeout,
-                           self.app_state.in_flight)
-            return True
-        return False
+        now = time.monotonic()
+        if self.aborted_at is None and now >= self.drain_deadline:
+            engine = self.app_state.engine
+            logger.warning("shutdown timeout of %gs reached: aborting %d in-flight requests (their streams end with "
+                           "finish_reason \"abort\")", self.drain_timeout, self.app_state.in_flight)
+            if engine is not None:
+                engine.abort_all()
+            self.aborted_at = now
+        return self.aborted_at is not None and now >= self.aborted_at + ABORT_GRACE_SECONDS
 
     def url(self) -> str:
         cfg = self.config

@@ -178,8 +178,12 @@ class _EngineCollector(Collector):
                     s.num_preemptions),
             counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits),
-            counter("compilations_after_warmup", "XLA compilations after warm-up (should stay 0).",
-                    core.runner.compilations_after_warmup),
+            counter("compilations_after_warmup", "XLA compilations on the serving thread after warm-up "
+                    "(should stay 0).", core.runner.compilations_after_warmup),
+            gauge("programs_compiled", "Serving programs compiled (a background warm-up compiles the rest while "
+                  "serving; steps take only compiled shapes).", core.runner.programs_compiled),
+            gauge("programs_declared", "Serving programs declared (every step shape and sampler).",
+                  core.runner.programs_declared),
             self._cache_config(core),
             *self._decode_steps(core),
             *self._host_tier(s, gauge, counter),

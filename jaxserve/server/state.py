@@ -151,10 +151,13 @@ class ServerState:
             self.config.on_ready(self)  # the "ready" log line comes before /health says so
         self.status = "ready"
 
-    def begin_drain(self) -> None:
+    def begin_drain(self, timeout: float | None = None) -> None:
+        """New requests get 503 from now on; `timeout`: how long the running ones may still take."""
         if self.status in ("loading", "ready"):
             self.status = "draining"
-            logger.info("draining: new requests get 503, %d in-flight requests may finish", self.in_flight)
+            within = (f" within {timeout:g}s (--shutdown-timeout), then are aborted; Ctrl+C again stops now"
+                      if timeout is not None and self.in_flight else "")
+            logger.info("draining: new requests get 503, %d in-flight requests may finish%s", self.in_flight, within)
 
     async def shutdown(self) -> None:
         self.begin_drain()

@@ -226,14 +226,16 @@ def test_models_health_and_metrics_endpoints(live, client):
     assert models["object"] == "list"
     (m,) = models["data"]
     assert m["id"] == MODEL and m["object"] == "model" and m["max_model_len"] == 512
-    assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
+    health = httpx.get(f"{live.url}/health").json()  # fully warmed: every program compiled
+    assert health["status"] == "ok" and health["programs_compiled"] == health["programs_declared"] > 0
     metrics = live.metrics()
     for name in ("time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
                  "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
                  "request_queue_time_seconds_count", "prompt_tokens_total", "generation_tokens_total",
                  "request_success_total{finished_reason=length}", "num_preemptions_total",
                  "prefix_cache_queries_total", "prefix_cache_hits_total", "compilations_after_warmup_total",
-                 "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_kv_pages_used"):
+                 "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_kv_pages_used",
+                 "programs_compiled", "programs_declared"):
         assert f"jaxserve:{name}" in metrics, name
     assert metrics["jaxserve:time_to_first_token_seconds_count"] > 0
     assert metrics["jaxserve:request_queue_time_seconds_count"] > 0

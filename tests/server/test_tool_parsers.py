@@ -367,6 +367,39 @@ def test_scanner_rejects_exactly_what_json_rejects(value, where, char):
     assert not prefix.error, text[:i]  # the unchanged beginning is never refused
 
 
+def test_a_call_cut_by_max_tokens_never_leaks_its_markup():
+    # Announced: a call with the arguments written so far; not yet announced: dropped, not content.
+    announced = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    unannounced = 'Sure. <tool_call>\n{"name": "get_wea'
+    p = HermesToolParser(TOOLS)
+    content, calls = p.parse_as_streamed(announced, truncated=True)
+    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Par')]
+    assert p.parse_as_streamed(unannounced, truncated=True) == ("Sure.", [])
+    assert p.parse_as_streamed(unannounced) == (unannounced, [])  # a stop inside one: content, as written
+    for chunks in ([unannounced], list(unannounced)):
+        stream_parser = HermesToolParser(TOOLS)
+        text = "".join(stream_parser.feed(c)[0] for c in chunks)
+        tail, deltas = stream_parser.finish(truncated=True)
+        assert text + tail == "Sure." and deltas == []
+    # a complete call whose closing tag was cut is a call either way
+    whole = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_'
+    assert [(c.name, c.arguments) for c in p.parse_as_streamed(whole, truncated=True)[1]] == [("get_time", "{}")]
+
+
+def test_a_chat_choice_cut_by_max_tokens_reads_as_its_stream():
+    from jaxserve.server.chat_output import ChoiceOutput
+
+    cut = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    whole = ChoiceOutput(None, HermesToolParser, TOOLS).message(cut, truncated=True)
+    assert whole["content"] == "Let me check." and whole["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"ci'}
+    streamed = ChoiceOutput(None, HermesToolParser, TOOLS)
+    deltas = [streamed.feed(cut[:20]), streamed.feed(cut[20:]), streamed.finish(truncated=True)]
+    assert "".join(d.get("content", "") for d in deltas) == "Let me check."
+    early = ChoiceOutput(None, HermesToolParser, TOOLS).message("Let me check. <tool_call>\n{", truncated=True)
+    assert early["content"] == "Let me check." and "tool_calls" not in early
+
+
 def test_parse_as_streamed_keeps_a_cut_call_a_call():
     # What the server answers for a forced tool choice: exactly what the stream sends.
     cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
@@ -387,7 +420,7 @@ def test_default_parse_of_the_base_class_assembles_the_stream():
         def feed(self, text):
             return text, []
 
-        def finish(self):
+        def finish(self, truncated=False):
             return "", [ToolCallDelta(0, "call_x", "f", '{"a"'), ToolCallDelta(0, arguments=": 1}")]
 
     content, calls = Echo([]).parse("hi")

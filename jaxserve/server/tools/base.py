@@ -65,8 +65,10 @@ class ToolParser:
         """Consume the next piece of generated text; return (content delta, tool-call deltas)."""
         raise NotImplementedError
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """Flush whatever is held back once generation has ended."""
+    def finish(self, truncated: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """Flush whatever is held back once generation has ended. truncated: it ended at max_tokens,
+        so a call it was writing is cut: one already announced stays a call (its arguments as far
+        as they were written), one not yet announced is dropped (its markup is never content)."""
         raise NotImplementedError
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -78,15 +80,15 @@ class ToolParser:
         """
         return self.parse_as_streamed(text)
 
-    def parse_as_streamed(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """What a stream of `text` reassembles to: feed + finish on a fresh parser.
+    def parse_as_streamed(self, text: str, truncated: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """What a stream of `text` reassembles to: feed + finish(truncated) on a fresh parser.
 
         For a forced tool choice the server answers with this rather than `parse`: the output is
         known to be calls, so a call cut off by max_tokens stays the call that streaming sent
         (its arguments as far as they were written), never raw text in `content`."""
         fresh = type(self)(self.tools)
         content, deltas = fresh.feed(text)
-        tail, more = fresh.finish()
+        tail, more = fresh.finish(truncated)
         return (content + tail) or None, assemble_calls(deltas + more)
 
     @classmethod

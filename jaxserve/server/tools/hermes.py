@@ -72,12 +72,12 @@ class HermesToolParser(ToolParser):
             buf = self._feed_block(buf) if self._in_block else self._feed_text(buf)
         return self._take()
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def finish(self, truncated: bool = False) -> tuple[str, list[ToolCallDelta]]:
         if self._in_block:
             # Cut off before its closing tag. What is held back is the start of that tag, cut off
             # too: not part of the JSON.
             held, self._held = self._held, ""
-            self._end_block(closed=False, tail=held)
+            self._end_block(closed=False, tail=held, drop=truncated)
         else:
             held, self._held = self._held, ""
             if self._after_block:  # whitespace after a block is dropped, a partial tag is not
@@ -170,7 +170,9 @@ class HermesToolParser(ToolParser):
         else:
             self._deltas.append(ToolCallDelta(index, arguments=fragment))
 
-    def _end_block(self, closed: bool, tail: str = "") -> None:
+    def _end_block(self, closed: bool, tail: str = "", drop: bool = False) -> None:
+        """drop: a block that is not a call is dropped rather than given back as content (cut by
+        max_tokens: the model was writing a call)."""
         self._in_block = False
         self._after_block = True
         if self._committed is None:
@@ -179,7 +181,7 @@ class HermesToolParser(ToolParser):
                 name, args = call
                 self._deltas.append(ToolCallDelta(self._next_index, new_tool_call_id(), name, args))
                 self._next_index += 1
-            else:  # not a call: the block is content again, exactly as written
+            elif not drop:  # not a call: the block is content again, exactly as written
                 raw = OPEN_TAG + "".join(self._raw) + (CLOSE_TAG if closed else tail)
                 self._content.append(self._space_before + raw)
                 self._after_block = False
