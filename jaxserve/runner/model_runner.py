@@ -135,7 +135,8 @@ class ModelRunner:
                                                                     rules,
                                                                     mesh.shape, mesh.devices.tolist(),
                                                                     getattr(self._attention, "__name__", "")),
-                                     list(mesh.devices.flat))
+                                     list(mesh.devices.flat),
+                                     preload=engine_cfg.warmup == "full" or draft is not None)  # see warmup.py
         self.draft = (DraftRunner(*draft, engine_cfg, placement, self.dtype, self._put, self.programs)
                       if draft is not None and eagle is None else None)
         self.eagle = (EagleRunner(*eagle, weights.embed, engine_cfg, placement, self.dtype, self._put,

@@ -151,9 +151,11 @@ class ProgramTable:
     memory only). devices: the ones the programs run on (a loaded executable is placed on them).
     Every entry already stored for this fingerprint starts loading in the background at once (two
     threads: deserializing an XLA:CPU executable links its code, ~0.15 s, outside the GIL), so a
-    warm-up mostly finds its programs loaded."""
+    warm-up mostly finds its programs loaded; preload=False leaves that to `preload()` (a background
+    warm-up first reads the few programs it serves with, then the rest)."""
 
-    def __init__(self, directory: str | Path | None, fingerprint: str, devices: list[Any]) -> None:
+    def __init__(self, directory: str | Path | None, fingerprint: str, devices: list[Any],
+                 preload: bool = True) -> None:
         self._dir = Path(directory) / _SUBDIR / fingerprint[:32] if directory else None
         if self._dir is not None:
             prune(self._dir)
@@ -162,15 +164,21 @@ class ProgramTable:
         self._jits: dict[Any, Any] = {}  # function -> its jax.jit under this fingerprint's name
         self._lock = threading.Lock()
         self._compiled: dict[Hashable, jax.stages.Compiled] = {}
-        self._pending: dict[str, Future] = {}  # file name -> its load, started at construction
+        self._pending: dict[str, Future] = {}  # file name -> its load, started by preload()
         self.loaded = 0     # programs from the store (read from disk, or already in this process)
         self.compiled = 0   # programs compiled (XLA's own cache may still have served them)
+        if preload:
+            self.preload()
+
+    def preload(self) -> None:
+        """Starts loading every entry stored for this fingerprint that no call has asked for yet."""
         entries = sorted(self._dir.glob("*.bin")) if self._dir is not None and self._dir.is_dir() else []
         with _PROCESS_LOCK:
             entries = [path for path in entries if _entry(path) not in _PROCESS_PROGRAMS]
+        entries = [path for path in entries if path.name not in self._pending]  # loaded ones are in the process
         if entries:
             pool = ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1), thread_name_prefix="jaxserve-load")
-            self._pending = {path.name: pool.submit(self._load, path) for path in entries}
+            self._pending.update({path.name: pool.submit(self._load, path) for path in entries})
             pool.shutdown(wait=False)
 
     def clear(self) -> None:

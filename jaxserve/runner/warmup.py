@@ -74,6 +74,7 @@ def warm_up(runner: "ModelRunner", progress: Callable[[int, int, str], None] | N
     logger.info("warm-up compiled %d programs in %.1fs (%d loaded without tracing, %d compiled)%s", len(now),
                 seconds, runner.programs.loaded, runner.programs.compiled,
                 f"; {len(programs) - len(now)} more compile in the background" if background else "")
+    runner.programs.preload()  # the stored programs still unread (a background warm-up read only its own)
     if background:
         shapes = ShapeCompiler(runner.programs, runner.weights,
                                runner._forward_args(dummy_arrays(first, max_pages, pad_slot, lora)), logits,
