@@ -41,7 +41,7 @@ def _requests() -> list[Request]:
     return out
 
 
-def test_requests_of_every_size_are_answered_while_buckets_compile(model):
+def test_requests_of_every_size_are_answered_while_buckets_compile(model, monkeypatch):
     cfg, weights = model
     full = EngineCore(cfg, weights, EngineConfig(**ENGINE), make_mesh(1, 1))
     full.runner.warmup()
@@ -63,11 +63,9 @@ def test_requests_of_every_size_are_answered_while_buckets_compile(model):
         real_compile = compile_one
         original(self, programs, compiled, compile_slowly, on_ready)
 
-    BucketCompiler.__init__ = patched
-    try:
-        runner.warmup(background=True)
-    finally:
-        BucketCompiler.__init__ = original
+    monkeypatch.setattr(BucketCompiler, "__init__", patched)
+    runner.warmup(background=True)
+    monkeypatch.undo()
     programs = serving_programs(core.engine_cfg, cfg)
     smallest = min(declared_buckets(core.engine_cfg))
     assert runner.programs_declared == len(programs)

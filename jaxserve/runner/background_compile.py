@@ -26,6 +26,11 @@ logger = logging.getLogger("jaxserve.runner.background_compile")
 Bucket = tuple[int, int]
 
 
+def largest(buckets: Iterable[Bucket]) -> Bucket:
+    """The bucket a step may fill: the most tokens x sequences, then the most sequences."""
+    return max(buckets, key=lambda b: (b[0] * b[1], b[1]))
+
+
 def bucket_programs(programs: Iterable[Program]) -> dict[Bucket, list[Program]]:
     """(T, S) -> the programs that make it ready: its forwards, then the samplers of their logits
     widths (a sampler serves every bucket of its width, so it appears under each)."""
@@ -87,8 +92,8 @@ class BucketCompiler:
         return self._done.is_set()
 
     def limit(self) -> Bucket:
-        """The ready bucket a step may fill: the largest (most tokens x sequences, then sequences)."""
-        return max(self._ready, key=lambda b: (b[0] * b[1], b[1]))
+        """The ready bucket a step may fill."""
+        return largest(self._ready)
 
     def start(self) -> "BucketCompiler":
         self._on_ready(list(self._ready))

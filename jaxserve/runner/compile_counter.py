@@ -22,7 +22,6 @@ class CompileCounter:
     _lock = threading.Lock()
     _installed = False
     _local = threading.local()
-    _total = 0
 
     @classmethod
     def install(cls) -> None:
@@ -31,8 +30,6 @@ class CompileCounter:
                 def on_event(event: str, duration: float, **kwargs: Any) -> None:
                     if event == _COMPILE_EVENT:
                         cls._local.count = getattr(cls._local, "count", 0) + 1
-                        with cls._lock:
-                            cls._total += 1
                 jax.monitoring.register_event_duration_secs_listener(on_event)
                 cls._installed = True
 
@@ -40,8 +37,3 @@ class CompileCounter:
     def count(cls) -> int:
         """Compilations this thread has run."""
         return getattr(cls._local, "count", 0)
-
-    @classmethod
-    def total(cls) -> int:
-        """Compilations of every thread."""
-        return cls._total

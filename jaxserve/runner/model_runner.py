@@ -38,7 +38,7 @@ from jaxserve.model.weights import Weights
 from jaxserve.parallel import sharding
 from jaxserve.parallel.layouts import layout_rules
 from jaxserve.quant import kv as kv_quant
-from jaxserve.runner.background_compile import BucketCompiler
+from jaxserve.runner.background_compile import BucketCompiler, largest
 from jaxserve.runner.compile_counter import CompileCounter
 from jaxserve.runner.host_tier import HostTier, read_pages, scatter_runs, write_pages
 from jaxserve.runner.kv_pull import TransferEndpoint
@@ -380,5 +380,5 @@ class ModelRunner:
         """Steps may take these buckets (called by the background compiler's thread: one assignment
         each, read by the serving thread at its next step)."""
         self.builder.buckets = buckets
-        self.step_limit = max(buckets, key=lambda b: (b[0] * b[1], b[1]))
+        self.step_limit = largest(buckets)
 
