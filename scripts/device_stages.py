@@ -350,7 +350,16 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         result.set(status="FAIL", error=f"{type(e).__name__}: {e}"[:4000])
         return 1
+    finally:
+        result.set(peak_rss_mib=peak_rss_mib())
     return 0
+
+
+def peak_rss_mib() -> float:
+    """The most host memory this stage or any child it waited for (the served engine) held at once."""
+    import resource
+
+    return max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
 
 
 if __name__ == "__main__":
