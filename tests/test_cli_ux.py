@@ -6,6 +6,7 @@ LLM it must agree with)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -172,3 +173,74 @@ def test_attention_backend_choices_are_the_kernels_backends():
     assert set(flag.choices) == set(BACKENDS)
     for name in BACKENDS:
         assert parser.parse_args(["serve", "--attention-backend", name]).attention_backend == name
+
+
+# ----------------------------------------------------------------------------- vLLM's flags
+
+def test_version_prints_the_installed_version(capsys):
+    import importlib.metadata
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"jaxserve {importlib.metadata.version('jaxserve')}"
+
+
+def test_vllm_spellings_set_the_same_engine_fields():
+    vllm = cli_config("serve", "--gpu-memory-utilization", "0.7", "--block-size", "32", "--swap-space", "4")
+    ours = cli_config("serve", "--memory-utilization", "0.7", "--page-size", "32", "--kv-offload-gib", "4")
+    assert (vllm.memory_utilization, vllm.page_size, vllm.kv_offload_gib) == (0.7, 32, 4.0)
+    assert vllm == ours
+    parsed = cli.build_parser().parse_args(["serve", "/models/qwen", "--uvicorn-log-level", "warning"])
+    assert (parsed.model_tag, parsed.uvicorn_log_level) == ("/models/qwen", "warning")
+
+
+def test_a_positional_model_is_the_model_and_two_different_models_are_refused(capsys):
+    args = cli.build_parser().parse_args(["serve", "Qwen/Qwen3-0.6B"])
+    with pytest.raises(ValueError, match="two models named"):
+        cli._dispatch(cli.build_parser().parse_args(["serve", "a/b", "--model", "c/d"]), [])
+    assert args.model is None and args.model_tag == "Qwen/Qwen3-0.6B"
+    assert cli.main(["serve", "a/b", "--model", "c/d"]) == 2
+    assert "two models named: a/b (positional) and --model c/d" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--enable-chunked-prefill", "--enforce-eager", "--disable-log-requests"])
+def test_a_vllm_flag_for_what_jaxserve_always_does_is_accepted_and_says_so(flag, caplog):
+    import logging
+
+    from jaxserve.entrypoints import vllm_flags
+    args = cli.build_parser().parse_args(["serve", flag])
+    assert cli_config("serve", flag) == cli_config("serve")  # changes nothing in the engine
+    with caplog.at_level(logging.INFO, logger="jaxserve.entrypoints.vllm_flags"):
+        vllm_flags.log_notes(args)
+    assert caplog.messages == [f"{flag}: {vllm_flags.NOTED[flag]}"]
+
+
+def test_trust_remote_code_is_refused_with_the_reason(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--trust-remote-code"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--trust-remote-code is not supported: jaxserve runs no code from a checkpoint" in err
+
+
+@pytest.mark.parametrize("flag,words", [("--pipeline-parallel-size=2", "--tensor-parallel-size N or --mesh"),
+                                        ("--num-gpu-blocks-override", "use --num-kv-pages"),
+                                        ("--disable-uvicorn-access-log", "use --no-access-log")])
+def test_an_unknown_vllm_flag_gets_a_hint_naming_jaxserves_equivalent(flag, words, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", flag, *(["7"] if "=" not in flag and "override" in flag else [])])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {flag}" in err
+    assert f"{flag.split('=')[0]} is vLLM's: " in err and words in err
+
+
+def test_generate_help_lists_only_what_one_request_uses(capsys):
+    generate = set(help_entries(["generate"], capsys))
+    serve = set(help_entries(["serve"], capsys))
+    server_only = {"--kv-role", "--kv-offload-gib", "--scheduling-policy", "--max-waiting-requests", "--enable-lora",
+                   "--max-loras", "--max-lora-rank", "--lora-modules", "--max-cpu-loras"}
+    assert server_only <= serve and not server_only & generate
+    assert {"--model", "--max-model-len", "--speculative-config", "--prompt", "--max-tokens"} <= generate
+    # what generate leaves out still configures its engine as serve's defaults do (one program store)
+    assert cli_config("generate") == dataclasses.replace(cli_config("serve"))

@@ -7,6 +7,7 @@ Engine sizes left unset (None) are chosen from the machine and the model when th
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 import sys
@@ -14,6 +15,7 @@ import sys
 from jaxserve.distributed.multihost import DEFAULT_STALL_TIMEOUT
 from jaxserve.entrypoints.engine_args import (add_engine_args, add_lora_slot_args, add_quantization_arg, add_size_args,
     engine_config, lora_slot_fields, parse_size, positive_float, prefill_decode, size_fields)
+from jaxserve.entrypoints.vllm_flags import add_vllm_flags, hint, log_notes
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -47,7 +49,7 @@ class _SubcommandParser(argparse.ArgumentParser):
                          ) -> tuple[argparse.Namespace, list[str]]:
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hint(extras)}")
         return namespace, extras
 
 
@@ -56,12 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="logging level")
+    parser.add_argument("--version", action="version", version=f"jaxserve {importlib.metadata.version('jaxserve')}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
 
     s = command("serve", "run the OpenAI-compatible HTTP server")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     add_engine_args(s)
     g = s.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -79,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--uvicorn-log-level", default=None, choices=("critical", "error", "warning", "info", "debug",
+                   "trace"), help="the HTTP server's log level (default: jaxserve's --log-level)")
     g.add_argument("--kv-transport", choices=("http", "jax"), default="http", help="how a --kv-role decode "
                    "instance fetches a prompt's pages: http (host-staged bytes over HTTP, every backend) or jax "
                    "(jax.experimental.transfer: device to device where the backend supports it; the prefill "
@@ -111,11 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help='parse tool calls out of the output when a request sends tools with tool_choice "auto"')
     g.add_argument("--tool-call-parser", default=None, help="tool-call format of the model: hermes (Qwen2.5, Qwen3, "
                    "Hermes); also the format forced calls (tool_choice required or named) are written in")
+    g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one, used "
+                   "instead of the model's own (default: the model's tokenizer_config.json)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR", help="the sampling defaults of "
+                   "requests that leave temperature, top_p, top_k, min_p or repetition_penalty out: auto (the "
+                   "model's generation_config.json, as vLLM does), vllm (OpenAI's: temperature 1, no truncation), or "
+                   "a directory holding a generation_config.json (default: auto)")
     g.add_argument("--reasoning-parser", default=None, help="split <think>...</think> into reasoning_content: "
                    "qwen3, deepseek_r1")
+    add_vllm_flags(s)
 
     gen = command("generate", "generate one completion and print it as it streams")
-    add_engine_args(gen)
+    add_engine_args(gen, serving=False)
     g = gen.add_argument_group("request")
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
@@ -201,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_notes(args)
     try:
         return _dispatch(args, argv)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
@@ -210,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
+    if getattr(args, "model_tag", None) is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models named: {args.model_tag} (positional) and --model {args.model}")
+        args.model = args.model_tag
     if args.command == "router":
         import uvicorn
 
@@ -251,6 +270,8 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "serve":
         from jaxserve.server.launch import serve
         from jaxserve.server.state import ServerConfig
+        from jaxserve.text.generation_config import sampling_defaults
+        from jaxserve.text.tokenizer import read_chat_template
 
         names = tuple(args.served_model_name or [args.model or "jaxserve-tiny"])
         server_cfg = ServerConfig(served_model_names=names, api_key=args.api_key,
@@ -260,7 +281,11 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
                                   enable_auto_tool_choice=args.enable_auto_tool_choice,
                                   allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                                   vllm_metric_names=args.vllm_metric_names, kv_transport=args.kv_transport,
-                                  kv_transfer_host=args.host)
+                                  kv_transfer_host=args.host,
+                                  chat_template=args.chat_template and read_chat_template(args.chat_template),
+                                  generation_config=args.generation_config)
+        if args.generation_config not in ("auto", "vllm"):
+            sampling_defaults(".", args.generation_config)  # a directory without the file: refused before loading
         engine_cfg = engine_config(args, names[0])
         multi = None
         if args.num_hosts != 1:
@@ -272,7 +297,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
             if multihost.initialize(multi) > 0:
                 return multihost.run_follower(args.model, engine_cfg, multi)
         return serve(args.model, engine_cfg, server_cfg, args.host, args.port, args.shutdown_timeout,
-                     args.log_level, args.access_log, not args.no_progress, multi)
+                     args.uvicorn_log_level or args.log_level, args.access_log, not args.no_progress, multi)
     if args.command == "generate":
         from jaxserve.core.sampling_params import SamplingParams
         from jaxserve.server.commands import generate

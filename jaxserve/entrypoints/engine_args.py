@@ -71,21 +71,25 @@ def _fraction(text: str) -> float:
     return value
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, serving: bool = True) -> None:
+    """The engine's flags; serving=False (`generate`, one request) leaves out the flags that only a
+    server's many requests use, their defaults still set, so the engine is configured as serve's is."""
     g = p.add_argument_group("engine")
+    # the flags only a server uses; for `generate` declared on a scratch parser for their defaults
+    many = g if serving else argparse.ArgumentParser(add_help=False)
     g.add_argument("--model", default=None, help="HF model directory or cached hub id (default: the embedded "
                    "jaxserve-tiny model, random weights)")
     add_size_args(g)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share KV pages of identical prompt prefixes between requests")
-    g.add_argument("--kv-role", choices=("prefill", "decode"), default=None, help="prefill/decode "
-                   "disaggregation: a prefill instance exports its prompts' KV pages (POST /v1/kv/export); a decode "
-                   "instance imports them for requests that name it in kv_transfer_params (`jaxserve proxy` does "
-                   "both) (default: neither)")
-    g.add_argument("--kv-offload-gib", type=positive_float, default=None, help="a host-memory KV tier of this "
-                   "many GiB: cached pages evicted from the device move there and come back on a prefix hit, and a "
-                   "preempted sequence's pages come back instead of being recomputed; needs prefix caching "
-                   "(default: off)")
+    many.add_argument("--kv-role", choices=("prefill", "decode"), default=None, help="prefill/decode "
+                      "disaggregation: a prefill instance exports its prompts' KV pages (POST /v1/kv/export); a decode "
+                      "instance imports them for requests that name it in kv_transfer_params (`jaxserve proxy` does "
+                      "both) (default: neither)")
+    many.add_argument("--kv-offload-gib", "--swap-space", type=positive_float, default=None, help="a host-memory KV tier of this "
+                      "many GiB: cached pages evicted from the device move there and come back on a prefix hit, and a "
+                      "preempted sequence's pages come back instead of being recomputed; needs prefix caching; "
+                      "--swap-space is vLLM's name (default: off)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="plan and dispatch step n+1 before step n's tokens are fetched")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="shorthand for --mesh 1xN "
@@ -101,8 +105,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto", help="auto: read the checkpoint's "
                    "weights; dummy: random weights drawn on the devices from config.json alone (benchmarks at a "
                    "model's shape without its weights: only config.json and the tokenizer are read)")
-    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                   help="waiting order: arrival, or the request's priority (lower first) then arrival")
+    many.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                      help="waiting order: arrival, or the request's priority (lower first) then arrival")
     g.add_argument("--attention-backend", choices=("auto", "reference", "tiled", "cpu", "tpu", "gpu"), default="auto",
                    help="attention implementation; auto picks the platform's kernel (on CPU: 'cpu', the tiled jnp "
                         "path with a native decode kernel built at first use, or 'tiled' where no compiler is)")
@@ -112,15 +116,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "compile every program before /health says ready")
     g.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache directory; "
                    "'' turns it off (default: $XDG_CACHE_HOME or ~/.cache, then jaxserve/xla)")
-    g.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="queued sequences beyond which new requests get 429")
+    many.add_argument("--max-waiting-requests", type=int, default=1024,
+                      help="queued sequences beyond which new requests get 429")
     g.add_argument("--seed", type=int, default=0, help="seeds the random seeds of requests that bring none")
-    add_lora_slot_args(g)
-    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
-                   help="PEFT adapters (directories with adapter_config.json + adapter_model.safetensors, or hub "
-                   "ids in the local Hugging Face cache) loaded at start-up; a request selects one by its model field")
-    g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory, least recently "
-                   "used evicted (re-read from disk when a slot needs them) (default: --max-loras)")
+    add_lora_slot_args(many)
+    many.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                      help="PEFT adapters (directories with adapter_config.json + adapter_model.safetensors, or hub "
+                      "ids in the local Hugging Face cache) loaded at start-up; a request selects one by its model field")
+    many.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory, least recently "
+                      "used evicted (re-read from disk when a slot needs them) (default: --max-loras)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON shape, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (prompt lookup: drafts copied from '
@@ -130,6 +134,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    'for the model, in the Hugging Face layout, reads its hidden states); drafts are verified '
                    'losslessly in the step; optional "disable_by_batch_size": N turns it off while more than N '
                    'sequences are running or waiting (default: off)')
+    if not serving:
+        p.set_defaults(**vars(many.parse_args([])))
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -153,7 +159,8 @@ def add_size_args(g: argparse._ArgumentGroup) -> None:
                    "lowered to one per 256 tokens of KV pool)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default: "
                    "CPU 1024-2048 from the model's FLOPs per token, GPU 2048 or 8192 from 70 GiB, TPU 1024)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--page-size", "--block-size", type=int, default=16, help="tokens per KV page "
+                   "(--block-size: vLLM's name)")
     g.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages (default: from "
                    "--kv-cache-memory, else --memory-utilization)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="bytes for the KV pool per device, e.g. "
@@ -161,10 +168,10 @@ def add_size_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="what KV pages store: auto (the compute dtype), or 8-bit values with a float32 scale per "
                    "token and KV head (int8; fp8 = fp8_e4m3; fp8_e5m2): ~2x the tokens of bf16 pages, ~4x of f32")
-    g.add_argument("--memory-utilization", type=_fraction, default=None, help="share of device memory the "
+    g.add_argument("--memory-utilization", "--gpu-memory-utilization", type=_fraction, default=None, help="share of device memory the "
                    "engine may use; the KV pool gets what weights and step temporaries leave (default: 0.9 on "
                    "GPU/TPU, 0.5 of the available RAM on CPU, where the pool is also capped at 2048 tokens "
-                   "per sequence and 4 GiB)")
+                   "per sequence and 4 GiB; --gpu-memory-utilization: vLLM's name, on every platform)")
     g.add_argument("--token-buckets", type=_buckets, default=None,
                    help="declared step sizes in tokens, comma-separated, or 'auto' (default: auto = 16 x 4^k "
                    "below half the budget, then half the budget and the budget)")

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any, Literal, Protocol
 
 from jaxserve.core.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
@@ -58,6 +59,7 @@ class ModelContext:
     tool_tags: ToolTags = ToolTags()       # how the vocabulary holds tool_parser's tags
     auto_tool_choice: bool = False         # --enable-auto-tool-choice: tool_choice "auto" is parsed
     lora_names: tuple[str, ...] = ()       # --lora-modules: a request's `model` may name an adapter
+    sampling_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # --generation-config
 
 
 @dataclasses.dataclass
@@ -237,13 +239,14 @@ def warn_ignored(body: dict, known: frozenset[str]) -> None:
 def _sampling(body: dict, ctx: ModelContext, max_tokens: int | None, logprobs: int | None,
               structured: StructuredOutputs | None) -> SamplingParams:
     stop_token_ids = body.get("stop_token_ids")
+    defaults = ctx.sampling_defaults
     params = SamplingParams(
         n=int_field(body, "n", 1),
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
-        top_k=int_field(body, "top_k", -1),
-        min_p=_number(body, "min_p", 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
+        top_p=_number(body, "top_p", defaults.get("top_p", 1.0)),
+        top_k=int_field(body, "top_k", defaults.get("top_k", -1)),
+        min_p=_number(body, "min_p", defaults.get("min_p", 0.0)),
+        repetition_penalty=_number(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0)),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         logit_bias=_logit_bias(body),

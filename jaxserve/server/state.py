@@ -50,6 +50,8 @@ class ServerConfig:
     vllm_metric_names: bool = False            # /metrics also under vLLM's names (gateway endpoint pickers)
     kv_transport: str = "http"                 # PD decode instance: how it fetches pages ("http" | "jax")
     kv_transfer_host: str = "127.0.0.1"        # PD: where this instance's jax.experimental.transfer server listens
+    chat_template: str | None = None           # Jinja; None: the model's own (tokenizer_config.json)
+    generation_config: str = "auto"            # sampling defaults: auto | vllm | a directory (text/generation_config.py)
     on_ready: Callable[["ServerState"], None] | None = None          # called on the loader thread
     on_load_failed: Callable[[BaseException], None] | None = None   # called on the loader thread
 
@@ -113,12 +115,23 @@ class ServerState:
         and warm-up (XLA), or llguidance's first view of the vocabulary."""
         return any(thread.is_alive() for thread in self._threads)
 
+    def _sampling_defaults(self, model_dir: Path) -> dict[str, Any]:
+        from jaxserve.text.generation_config import sampling_defaults
+
+        defaults = sampling_defaults(model_dir, self.config.generation_config)
+        if defaults:
+            logger.info("requests that leave them out sample with the generation config's %s (--generation-config "
+                        "vllm: OpenAI's defaults)", ", ".join(f"{k}={v}" for k, v in defaults.items()))
+        return defaults
+
     def _load(self) -> None:
         start = time.monotonic()
         try:
             from jaxserve.engine.async_engine import Engine
 
             core, tokenizer, model_dir = self.loader()
+            if self.config.chat_template is not None:
+                tokenizer = tokenizer.with_chat_template(self.config.chat_template)
             if self.status != "loading":  # shut down while we were loading
                 return
             engine = Engine(core)
@@ -130,7 +143,7 @@ class ServerState:
             self.model = ModelContext(self.config.served_model_names, core.engine_cfg.max_model_len,
                                       core.model_cfg.vocab_size, tokenizer, reasoning, tools,
                                       ToolTags.of(tools.tags, tokenizer), self.config.enable_auto_tool_choice,
-                                      core.lora_names)
+                                      core.lora_names, self._sampling_defaults(model_dir))
             self.strings = TokenStrings(lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
                                         tokenizer.convert_ids_to_tokens)
             self.load_seconds = time.monotonic() - start

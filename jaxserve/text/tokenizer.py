@@ -73,6 +73,15 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """This tokenizer rendering chats with `template` (Jinja) instead of the model's own; this
+        one is left as it was (it may be shared)."""
+        import copy
+
+        hf = copy.copy(self.hf)
+        hf.chat_template = template
+        return Tokenizer(hf, self._eos_token_ids)
+
     # ------------------------------------------------------------ operations
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -114,6 +123,22 @@ class Tokenizer:
                                           "this is a server problem, not a problem with the request") from e
         # The template already wrote every special token it wants; do not add a BOS again.
         return self.encode(text, add_special_tokens=False)
+
+
+def read_chat_template(text: str) -> str:
+    """`--chat-template`: a file's path, or the template itself (vLLM takes both); a template that
+    does not compile is refused here, before the model loads."""
+    import jinja2
+
+    path = Path(text).expanduser()
+    template = path.read_text(encoding="utf-8") if path.is_file() else text
+    if template is text and "{{" not in text and "{%" not in text:
+        raise ValueError(f"--chat-template {text!r}: no such file, and not a Jinja template either")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: the template does not compile (line {e.lineno}: {e.message})") from None
+    return template
 
 
 def _caused_by_input(error: Exception) -> bool:

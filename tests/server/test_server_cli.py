@@ -84,3 +84,41 @@ def test_bench_as_the_readme_runs_it_against_a_real_server(loaded_model):
         live.stop()
     assert code == 0, out.getvalue()
     assert re.search(r"requests completed / failed\s+2 / 0", out.getvalue()), out.getvalue()
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}ASSISTANT:"
+
+
+def test_chat_template_flag_renders_chats_with_it_and_leaves_the_shared_tokenizer_alone(loaded_model, tmp_path):
+    from server_utils import client_for
+
+    from jaxserve.text.tokenizer import read_chat_template
+
+    path = tmp_path / "template.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    tokenizer = loaded_model[1]
+    messages = [{"role": "user", "content": "Hi there"}]
+    ours = tokenizer.encode("<<user>> Hi there\nASSISTANT:", add_special_tokens=False)
+    own = tokenizer.apply_chat_template(messages)
+    assert ours != own
+    live = start_server(loaded_model, chat_template=read_chat_template(str(path)))
+    try:
+        reply = client_for(live).chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    finally:
+        live.stop()
+    assert reply.usage.prompt_tokens == len(ours)
+    assert tokenizer.apply_chat_template(messages) == own  # the session's tokenizer keeps the model's template
+
+
+def test_chat_template_flag_takes_a_file_or_the_template_and_refuses_what_does_not_compile(tmp_path, capsys):
+    from jaxserve.text.tokenizer import read_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    assert read_chat_template(str(path)) == read_chat_template(CHAT_TEMPLATE) == CHAT_TEMPLATE
+    with pytest.raises(ValueError, match="no such file, and not a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not compile"):
+        read_chat_template("{% for m in messages %}{{ m }}")
+    assert cli.main(["serve", "--chat-template", "{{ unclosed"]) == 2  # refused before any model loads
+    assert "--chat-template: the template does not compile" in capsys.readouterr().err
