@@ -270,7 +270,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "serve":
         from jaxserve.server.launch import serve
         from jaxserve.server.state import ServerConfig
-        from jaxserve.text.generation_config import sampling_defaults
+        from jaxserve.text.generation_config import check_choice
         from jaxserve.text.tokenizer import read_chat_template
 
         names = tuple(args.served_model_name or [args.model or "jaxserve-tiny"])
@@ -283,9 +283,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
                                   vllm_metric_names=args.vllm_metric_names, kv_transport=args.kv_transport,
                                   kv_transfer_host=args.host,
                                   chat_template=args.chat_template and read_chat_template(args.chat_template),
-                                  generation_config=args.generation_config)
-        if args.generation_config not in ("auto", "vllm"):
-            sampling_defaults(".", args.generation_config)  # a directory without the file: refused before loading
+                                  generation_config=check_choice(args.generation_config))
         engine_cfg = engine_config(args, names[0])
         multi = None
         if args.num_hosts != 1:

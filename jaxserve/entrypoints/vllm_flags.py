@@ -25,7 +25,7 @@ NOTED = {
 
 REFUSED = {
     "--trust-remote-code": "jaxserve runs no code from a checkpoint: its model families are its own JAX code, "
-                           "chosen by config.json's architectures (docs/MODELS.md lists them); a model that needs "
+                           "chosen by config.json's architectures (the README lists them); a model that needs "
                            "remote code is not one of them",
 }
 
@@ -46,12 +46,15 @@ HINTS = {
 }
 
 
-class Noted(argparse.Action):
-    """A vLLM flag accepted for what jaxserve always does: noted once, changes nothing."""
+class _Switch(argparse.Action):
+    """A flag that takes no value (vLLM's store_true flags)."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
-        kwargs.pop("nargs", None)
         super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+
+class Noted(_Switch):
+    """A vLLM flag accepted for what jaxserve always does: noted once, changes nothing."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
                  option_string: str | None = None) -> None:
@@ -60,12 +63,8 @@ class Noted(argparse.Action):
         setattr(namespace, self.dest, notes)
 
 
-class Refused(argparse.Action):
+class Refused(_Switch):
     """A vLLM flag jaxserve will not honour: a usage error that says why."""
-
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
-        kwargs.pop("nargs", None)
-        super().__init__(option_strings, dest, nargs=0, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
                  option_string: str | None = None) -> None:

@@ -6,10 +6,13 @@ Host side: no jax here, and it does not run on the engine thread.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from jaxserve.text.generation_config import eos_token_ids
 
 KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -40,7 +43,7 @@ class Tokenizer:
         if not path.is_dir():
             raise ValueError(f"model directory {str(path)!r} does not exist")
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        return cls(hf, _generation_config_eos(path / "generation_config.json"))
+        return cls(hf, eos_token_ids(path))
 
     # ------------------------------------------------------------ properties
 
@@ -76,8 +79,6 @@ class Tokenizer:
     def with_chat_template(self, template: str) -> "Tokenizer":
         """This tokenizer rendering chats with `template` (Jinja) instead of the model's own; this
         one is left as it was (it may be shared)."""
-        import copy
-
         hf = copy.copy(self.hf)
         hf.chat_template = template
         return Tokenizer(hf, self._eos_token_ids)
@@ -152,16 +153,6 @@ def _caused_by_input(error: Exception) -> bool:
     except ImportError:
         return False
     return isinstance(error, TemplateError) and not isinstance(error, TemplateSyntaxError)
-
-
-def _generation_config_eos(path: Path) -> list[int]:
-    if not path.is_file():
-        return []
-    with open(path, encoding="utf-8") as f:
-        eos = json.load(f).get("eos_token_id")
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
 
 
 def _validate_messages(messages: Any) -> list[dict[str, Any]]:
