@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+import threading
 
 import jax
 import pytest
@@ -194,6 +196,97 @@ def test_plan_command_prints_table_json_and_plot(tmp_path, capsys):
     assert data["lora_bytes"] == 0 and lora["lora_bytes"] == 2 * per_layer
     assert math.isclose(lora["total_bytes"], lora["weight_bytes"] + lora["lora_bytes"] + lora["kv_pool_bytes"]
                         + lora["temp_bytes"] + lora["code_bytes"])
+
+
+class _Recorder:
+    """A plan.CompileProgress that records what it hears, and from which thread."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def start(self, layout, programs, layers, model_layers):
+        self.events.append(("start", layout, list(programs), layers, model_layers))
+
+    def compiled(self, program, seconds):
+        self.events.append(("compiled", program, seconds, threading.current_thread() is threading.main_thread()))
+
+
+def test_progress_hears_each_compiled_program_once_with_its_time():
+    """Compiling 2 of 4 layers: the serving programs plus the forward 1 layer deep (the per-layer
+    collectives), announced before any compiles, each then reported once from its compiling
+    thread with a positive time."""
+    recorder = _Recorder()
+    engine = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
+    plan = plan_deployment(_config(num_hidden_layers=4), parse_target("tpu-v6e:1x1"), make_layout("tp", 1), engine,
+                           "bfloat16", compile_layers=2, progress=recorder)
+    (start, *done) = recorder.events
+    assert start[0] == "start" and start[1] == plan.layout == "tp dp=1 tp=1" and start[3:] == (2, 4)
+    serving = list(plan.program_temps)  # the decode and largest forwards, the widest sampler
+    assert serving == ["forward T=16 S=8", "forward T=32 S=8", "sample S=8 H=1000"] and plan.programs_compiled == 3
+    assert start[2] == serving + ["forward T=16 S=8 at 1 layer (per-layer collectives)"]
+    assert all(e[0] == "compiled" for e in done)
+    assert sorted(e[1] for e in done) == sorted(start[2])  # once each, by name
+    assert all(e[2] > 0 for e in done)
+    assert not any(e[3] for e in done)  # from the compiling threads (hence a thread-safe printer)
+
+
+def test_compile_printer_keeps_lines_whole_and_counts_across_threads():
+    """The printer is called from the compiling threads at once: every line whole, numbered 1..N
+    in the order they were printed, and the summary adds up the programs and their seconds."""
+    import io
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jaxserve.planning.report import CompilePrinter
+
+    out = io.StringIO()
+    printer = CompilePrinter("tpu-v6e:2x4", layouts=2, stream=out)
+    names = [f"forward T={t} S=8" for t in range(1, 41)]
+    printer.start("tp dp=1 tp=8", names, 2, 36)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda n: printer.compiled(n, 0.5), names))
+    printer.summary()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == ("[tp dp=1 tp=8] compiling 40 programs for tpu-v6e:2x4, layout 1 of 2, 2 of 36 layers "
+                        "(a forward compiles at 2 KV pool sizes): " + ", ".join(names))
+    got = [re.fullmatch(r"\[tp dp=1 tp=8\] compiled (forward T=\d+ S=8) for tpu-v6e:2x4: 0\.5 s \[(\d+)/40\]", line)
+           for line in lines[1:-1]]
+    assert all(got) and sorted(m[1] for m in got) == sorted(names)
+    assert [int(m[2]) for m in got] == list(range(1, 41))
+    assert re.fullmatch(r"compiled 40 programs for 1 layout in \d+\.\d s \(wall\), 20\.0 s of compiling", lines[-1])
+
+
+def test_plan_command_prints_progress_to_stderr_and_keeps_json_on_stdout(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 128,
+                                  "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "max_position_embeddings": 256}))
+    assert cli.main(["plan", str(config), "--target", "cpu", "--max-num-seqs", "8", "--max-num-batched-tokens",
+                     "32", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)  # nothing else on stdout
+    names = list(data["program_temps"])
+    assert len(names) == data["programs_compiled"] == 3
+    err = captured.err.splitlines()
+    assert ("compiling 3 programs for cpu:1, layout tp dp=1 tp=1, all 2 layers (a forward compiles at 2 KV pool "
+            "sizes): " + ", ".join(names)) in err
+    done = [re.fullmatch(r"compiled (.+) for cpu:1: (\d+\.\d) s \[(\d)/3\]", line) for line in err]
+    done = [m for m in done if m]
+    assert sorted(m[1] for m in done) == sorted(names) and [m[3] for m in done] == ["1", "2", "3"]
+    summary = [line for line in err if line.startswith("compiled 3 programs in ")]
+    assert len(summary) == 1 and re.fullmatch(r"compiled 3 programs in \d+\.\d s \(wall\), \d+\.\d s of compiling",
+                                              summary[0])
+    # --sweep on 2 devices: 4 layouts, each with its start line and a line per program, prefixed with
+    # the layout (8 tokens for 8 sequences: the decode forward is the largest, 2 programs each)
+    assert cli.main(["plan", str(config), "--target", "cpu:2", "--sweep", "--batch", "8", "--max-num-batched-tokens",
+                     "8", "--max-model-len", "128", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    layouts = [p["layout"] for p in json.loads(captured.out)]
+    err = captured.err.splitlines()
+    for layout in layouts:
+        ours = [line for line in err if line.startswith(f"[{layout}] ")]
+        assert len(ours) == 3 and "compiling 2 programs for cpu:2, layout " in ours[0]
+        assert [re.search(r": \d+\.\d s \[(\d)/2\]$", line)[1] for line in ours[1:]] == ["1", "2"]
+    assert len(layouts) == 4 and re.fullmatch(r"compiled 8 programs for 4 layouts in \d+\.\d s \(wall\), \d+\.\d s of compiling", err[-1])
 
 
 @pytest.mark.parametrize("argv,message", [

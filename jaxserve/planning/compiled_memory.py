@@ -5,9 +5,12 @@ memory analysis, and the calibration of the roofline estimates from the compiled
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,13 +38,29 @@ class Calibration:
 
 
 def calibrate(programs: list[Program], model: ModelConfig, engine: EngineConfig, placement: sharding.Placement,
-              dtype: Any, attention: Any, compile_layers: int | None, decode_bucket: tuple[int, int]) -> Calibration:
+              dtype: Any, attention: Any, compile_layers: int | None, decode_bucket: tuple[int, int], *,
+              on_start: Callable[[list[str], int], None] | None = None,
+              on_program: Callable[[str, float], None] | None = None) -> Calibration:
     """Compiles `programs` (a copy of the model `compile_layers` deep: the layers are unrolled, so
-    compile time grows with depth while temporaries do not) and scales what grows with depth."""
+    compile time grows with depth while temporaries do not) and scales what grows with depth.
+    `on_start(names, depth)` hears what will compile before any of it does; `on_program(name,
+    seconds)` hears each one as it finishes, from the thread that compiled it (completion order)."""
     depth = min(model.num_layers, compile_layers or model.num_layers)
     scale = model.num_layers / depth
     shallow = _with_layers(model, depth)
-    costs = _map_threads(lambda p: program_memory(p, shallow, engine, placement, dtype, attention), programs)
+    jobs = [(p.name, functools.partial(program_memory, p, shallow, engine, placement, dtype, attention))
+            for p in programs]
+    if 1 < depth < model.num_layers:
+        # one layer fewer tells the per-layer collectives from the rest (embedding, lm_head); it
+        # needs nothing from the other compiles, so it compiles beside them
+        decode = Program("forward", *decode_bucket)
+        jobs.append((f"{decode.name} at {depth - 1} layer{'s' if depth > 2 else ''} (per-layer collectives)",
+                     functools.partial(_compiled_memory, decode, _with_layers(model, depth - 1),
+                                       dataclasses.replace(engine, num_kv_pages=64), placement, dtype, attention)))
+    if on_start is not None:
+        on_start([name for name, _ in jobs], depth)
+    results = _map_threads(lambda job: _timed(*job, on_program), jobs)
+    costs = results[:len(programs)]
     worst = max(costs, key=lambda c: c.temp_at(engine.num_kv_pages))
     notes = []
     if worst.temp_per_page > 0:
@@ -51,10 +70,7 @@ def calibrate(programs: list[Program], model: ModelConfig, engine: EngineConfig,
     if depth < model.num_layers:
         notes.append(f"compiled {depth} of {model.num_layers} layers: KV page bytes, code and per-layer "
                      f"collectives are scaled to depth, temporaries taken as compiled (layers run in turn)")
-        # one layer fewer tells the per-layer collectives from the rest (embedding, lm_head)
-        fewer = collectives_in(_compiled_memory(Program("forward", *decode_bucket), _with_layers(model, depth - 1),
-                                                dataclasses.replace(engine, num_kv_pages=64), placement, dtype,
-                                                attention)[3]) if depth > 1 else []
+        fewer = collectives_in(results[-1][3]) if depth > 1 else []
         colls = _extrapolate(colls, fewer, depth, model.num_layers)
     return Calibration(costs, max(c.page_bytes for c in costs) * scale, worst.temp_fixed,
                        worst.temp_per_page * scale, int(max(c.code_bytes for c in costs) * scale), colls, notes)
@@ -125,6 +141,15 @@ def _compile_memory(lowered: jax.stages.Lowered, program: Program, engine: Engin
         return 0, 0, 0, compiled.as_text()
     return (int(mem.argument_size_in_bytes), int(mem.temp_size_in_bytes), int(mem.generated_code_size_in_bytes),
             compiled.as_text())
+
+
+def _timed(name: str, compile_fn: Callable[[], Any], on_program: Callable[[str, float], None] | None) -> Any:
+    """compile_fn(), and its seconds (lowering and compiling, on this thread) told to on_program."""
+    start = time.perf_counter()
+    out = compile_fn()
+    if on_program is not None:
+        on_program(name, time.perf_counter() - start)
+    return out
 
 
 def _map_threads(fn: Any, items: list[Any]) -> list[Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,16 @@ from jaxserve.quant import kv as kv_quant
 
 DECODE_BATCHES = (1, 8, 64)          # plus max_num_seqs
 SWEEP_COMPILE_LAYERS = 2             # --sweep compiles this many layers of each layout (then scales)
+
+
+class CompileProgress(Protocol):
+    """Hears a plan's compiles as they happen (report.py prints them: a target's compiles take
+    minutes). `start` once per plan before its programs compile; `compiled` from the compiling
+    threads as each program finishes, so an implementation must be thread-safe."""
+
+    def start(self, layout: str, programs: list[str], layers: int, model_layers: int) -> None: ...
+
+    def compiled(self, program: str, seconds: float) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +120,13 @@ def _machine(target: Target, mesh: jax.sharding.Mesh, weight_bytes: int) -> Mach
 
 def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: EngineConfig, dtype: Any,
                     *, context: int | None = None, programs: str = "serving", batch: int | None = None,
-                    compile_programs: bool = True, compile_layers: int | None = None) -> DevicePlan:
+                    compile_programs: bool = True, compile_layers: int | None = None,
+                    progress: CompileProgress | None = None) -> DevicePlan:
     """The plan of one replica (see the module docstring). `context`: the tokens each decoding
     sequence has in cache for the step estimates (default: max_model_len); `programs`: which
     programs to compile ("serving" or "all"; see programs_to_compile); `compile_layers`: compile
-    a copy of the model this deep (faster; what scales with depth is scaled back)."""
+    a copy of the model this deep (faster; what scales with depth is scaled back); `progress`:
+    told of each compile as it finishes."""
     dtype = jnp.dtype(dtype)
     notes = check_divides(layout, model)
     rules = layout.rules
@@ -156,7 +168,8 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     if compile_programs:
         start = time.perf_counter()
         try:
-            cal = calibrate(to_compile, model, resolved, placement, dtype, attention, compile_layers, decode_bucket)
+            cal = calibrate(to_compile, model, resolved, placement, dtype, attention, compile_layers, decode_bucket,
+                            **_progress_callbacks(progress, layout.name, model.num_layers))
             compiled_ok = True
         except ValueError as e:  # a program that does not fit the device even with a tiny pool
             notes.append(str(e))
@@ -202,6 +215,16 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
         programs_compiled=len(to_compile) if compile_programs else 0, compile_seconds=compile_s,
         program_temps=program_temps,
         collectives=colls, steps=steps, notes=notes, advice=advice)
+
+
+def _progress_callbacks(progress: CompileProgress | None, layout: str, model_layers: int) -> dict[str, Any]:
+    """calibrate's on_start / on_program for `progress` (calibrate knows neither layout nor model depth)."""
+    if progress is None:
+        return {}
+
+    def on_start(names: list[str], layers: int) -> None:
+        progress.start(layout, names, layers, model_layers)
+    return {"on_start": on_start, "on_program": progress.compiled}
 
 
 def _step_estimates(cfg: ModelConfig, chip: Any, layout: Layout, engine: EngineConfig, dtype: Any,
@@ -278,16 +301,18 @@ def human_bytes(n: float) -> str:
 
 
 def sweep(model: ModelConfig, target: Target, engine: EngineConfig, dtype: Any, *, batch: int,
-          context: int, compile_layers: int | None = SWEEP_COMPILE_LAYERS) -> list[DevicePlan]:
+          context: int, compile_layers: int | None = SWEEP_COMPILE_LAYERS,
+          progress: CompileProgress | None = None) -> list[DevicePlan]:
     """Every candidate layout (layouts.candidate_layouts) planned at `batch` sequences of
-    `context` tokens, best decode tokens/s per chip first (fitting layouts before the rest)."""
+    `context` tokens, best decode tokens/s per chip first (fitting layouts before the rest).
+    `progress` hears each layout's compiles (layouts are planned one after another)."""
     from jaxserve.parallel.layouts import candidate_layouts
 
     plans = []
     for layout in candidate_layouts(model, target.num_devices):
         eng = dataclasses.replace(engine, max_num_seqs=engine.max_num_seqs or batch)
         plans.append(plan_deployment(model, target, layout, eng, dtype, context=context, batch=batch,
-                                     compile_layers=compile_layers))
+                                     compile_layers=compile_layers, progress=progress))
     return sorted(plans, key=lambda p: (not p.fits, -decode_tokens_per_chip(p, batch)))
 
 

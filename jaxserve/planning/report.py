@@ -7,10 +7,67 @@ import argparse
 import dataclasses
 import json
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from jaxserve.planning.plan import DevicePlan, decode_step, decode_tokens_per_chip, human_bytes
+
+
+class CompilePrinter:
+    """Prints the planner's compiles as they happen (plan.CompileProgress), so the minutes a
+    compile-only target takes are not silent: a line before a layout's programs compile, one per
+    program as it finishes, and summary() at the end. To stderr: stdout may carry `--json -`.
+    `compiled` is called from the compiling threads: a lock keeps each line whole and the count
+    right, and lines come out in completion order. Sweeps (layouts > 1) prefix lines with the layout."""
+
+    def __init__(self, target: str, layouts: int = 1, stream: TextIO | None = None) -> None:
+        self.target, self.layouts = target, layouts
+        self._stream = stream   # None: sys.stderr when printing (what pytest's capsys replaces)
+        self._lock = threading.Lock()
+        self._began: float | None = None
+        self._layout, self._layout_number, self._of, self._done = "", 0, 0, 0
+        self._programs, self._seconds = 0, 0.0
+
+    def start(self, layout: str, programs: list[str], layers: int, model_layers: int) -> None:
+        with self._lock:
+            if self._began is None:
+                self._began = time.perf_counter()
+            self._layout, self._of, self._done = layout, len(programs), 0
+            self._layout_number += 1
+            depth = "all" if layers == model_layers else f"{layers} of"
+            which = (f"layout {self._layout_number} of {self.layouts}" if self.layouts > 1
+                     else f"layout {layout}")
+            self._print(f"compiling {_count(len(programs), 'program')} for {self.target}, {which}, {depth} "
+                        f"{model_layers} layers (a forward compiles at 2 KV pool sizes): " + ", ".join(programs))
+
+    def compiled(self, program: str, seconds: float) -> None:
+        with self._lock:
+            self._done += 1
+            self._programs += 1
+            self._seconds += seconds
+            self._print(f"compiled {program} for {self.target}: {seconds:.1f} s [{self._done}/{self._of}]")
+
+    def summary(self) -> None:
+        """The closing line: programs, wall time since compiling began, and compile time summed over
+        the threads (more than the wall time when programs compiled side by side)."""
+        with self._lock:
+            if self._began is None:
+                return  # nothing was compiled
+            wall = time.perf_counter() - self._began
+            layouts = f" for {_count(self._layout_number, 'layout')}" if self.layouts > 1 else ""
+            self._layout = ""
+            self._print(f"compiled {_count(self._programs, 'program')}{layouts} in {wall:.1f} s (wall), "
+                        f"{self._seconds:.1f} s of compiling")
+
+    def _print(self, line: str) -> None:
+        prefix = f"[{self._layout}] " if self.layouts > 1 and self._layout else ""
+        print(prefix + line, file=self._stream or sys.stderr, flush=True)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def format_plan(plan: DevicePlan) -> str:
@@ -136,18 +193,26 @@ def run(args: argparse.Namespace, engine: Any) -> int:
         dtype = jnp.dtype(normalize_dtype_name(args.dtype))
     context = args.context
     if args.sweep:
+        from jaxserve.parallel.layouts import candidate_layouts
+
         batch = args.batch or 64
+        printer = CompilePrinter(target.name, len(candidate_layouts(model, target.num_devices)))
         plans = sweep(model, target, engine, dtype, batch=batch, context=context or engine.max_model_len or
-                      min(8192, model.max_position_embeddings), compile_layers=args.compile_layers or 2)
+                      min(8192, model.max_position_embeddings), compile_layers=args.compile_layers or 2,
+                      progress=printer)
+        printer.summary()
         text = format_sweep(plans, batch, context or plans[0].settings["max_model_len"])
         if args.plot:
             plot_sweep(plans, batch, Path(args.plot))
         payload: Any = [p.to_json() for p in plans]
     else:
         layout = make_layout(args.layout, target.num_devices, args.tp)
+        printer = CompilePrinter(target.name)
         plan = plan_deployment(model, target, layout, engine, dtype, context=context,
                                programs="all" if args.all_programs else "serving", batch=args.batch,
-                               compile_layers=args.compile_layers or (None if args.all_programs else 2))
+                               compile_layers=args.compile_layers or (None if args.all_programs else 2),
+                               progress=printer)
+        printer.summary()
         text = format_plan(plan)
         if args.plot:
             plot_plan(plan, Path(args.plot))
