@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -22,14 +22,17 @@ from jaxserve.quant.scheme import online_scheme
 def load_model(name_or_path: str | Path, mesh: Mesh, dtype: Any = jnp.float32,
                quantization: str | None = None,
                rules: sharding.Rules = sharding.DEFAULT_RULES,
-               load_format: str = "auto") -> tuple[ModelConfig, Weights]:
+               load_format: str = "auto",
+               progress: Callable[[int, int], None] | None = None) -> tuple[ModelConfig, Weights]:
     """Config and sharded weights from a HF directory, a cached hub id, or a converted directory.
 
     quantization: an online scheme ("int8", "int4", "fp8") applied while the tensors load; a
     converted directory keeps the scheme it was converted with. rules: the logical-axis rules
     the weights are placed by (layouts.RULE_SETS; default: tensor parallelism). load_format:
     "auto" reads the weights; "dummy" draws random ones on the devices from config.json alone
-    (random_init.py: benchmarks at a model's shape without its checkpoint)."""
+    (random_init.py: benchmarks at a model's shape without its checkpoint). progress: called with
+    (tensors read, tensors in all) while a Hugging Face checkpoint loads (not for the others: an
+    orbax restore is one call, random weights read nothing)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     model_dir = resolve_model_dir(name_or_path)
@@ -54,7 +57,7 @@ def load_model(name_or_path: str | Path, mesh: Mesh, dtype: Any = jnp.float32,
         cfg = dataclasses.replace(cfg, quantization=dataclasses.replace(cfg.quantization, lm_head=lm_head))
     elif quantization is not None:
         cfg = dataclasses.replace(cfg, quantization=online_scheme(quantization))
-    return cfg, load_weights(model_dir, cfg, mesh, dtype, rules)
+    return cfg, load_weights(model_dir, cfg, mesh, dtype, rules, progress=progress)
 
 
 __all__ = ["LOAD_FORMATS", "load_model", "load_weights", "random_weights", "resolve_model_dir", "orbax_io"]

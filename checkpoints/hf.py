@@ -118,6 +118,15 @@ def _iter_tensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, 
                 yield name, read
 
 
+def _reported(tensors: Iterator[Any], total: int, progress: Callable[[int, int], None]) -> Iterator[Any]:
+    """`tensors`, calling progress(done, total) before the first and once each is handled (placed
+    asynchronously: nothing waits on a device for the sake of the count)."""
+    progress(0, total)
+    for done, item in enumerate(tensors, 1):
+        yield item
+        progress(done, total)
+
+
 def read_safetensors(file: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of one safetensors file (small files: LoRA adapters), any stored dtype."""
     return {name: read() for name, read in _iter_tensors([Path(file)])}
@@ -271,7 +280,8 @@ def _set(tree: W.Weights, path: tuple[Any, ...], value: Any) -> W.Weights:
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any = jnp.float32,
-                 rules: Rules = DEFAULT_RULES, slices: SliceReads | None = None) -> W.Weights:
+                 rules: Rules = DEFAULT_RULES, slices: SliceReads | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> W.Weights:
     """Reads every tensor of the checkpoint onto its sharding; errors name the offending tensor.
 
     Quantized leaves are filled on the host before placement: by quantizing the full-precision
@@ -281,7 +291,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
     slices: read each plain tensor through a memory map, only the slices this process's devices
     hold (the default when several processes share the mesh: multi-host, where each host reads
     its own shards); the count of bytes read is left in it. Quantized and expert tensors are
-    read whole."""
+    read whole. progress: called with (tensors read, tensors in the files) as they load."""
     model_dir = Path(model_dir)
     if slices is None and jax.process_count() > 1:
         slices = SliceReads()
@@ -302,7 +312,11 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
     experts: dict[tuple[Any, ...], dict[int, np.ndarray]] = {}  # MoE leaves still missing experts
     seen: set[str] = set()      # table entries placed
     received: set[str] = set()  # every tensor name read
-    for name, read in _iter_tensors(_safetensors_files(model_dir), lazy=slices is not None):
+    files = _safetensors_files(model_dir)
+    tensors = _iter_tensors(files, lazy=slices is not None)
+    if progress is not None:
+        tensors = _reported(tensors, sum(len(_header(f)[1]) for f in files), progress)
+    for name, read in tensors:
         if name in received:
             raise ValueError(f"tensor {name!r} appears in more than one safetensors file")
         received.add(name)

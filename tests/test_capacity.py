@@ -88,6 +88,79 @@ def test_explicit_settings_win():
     assert e.num_kv_pages == 64 * 2 ** 20 // (4096 * 16)
 
 
+def _line(cap, prefix: str) -> str:
+    return next(line for line in cap.lines if line.startswith(prefix))
+
+
+def test_a_cpu_pool_capped_by_tokens_names_that_cap_as_the_pools_size():
+    """The token cap bounds the pool's total (max_num_seqs x 2048 here), not one sequence: the line
+    gives the arithmetic and never reads as a per-sequence limit below max_model_len."""
+    cap = plan_capacity(EngineConfig(), TINY, CPU_2, itemsize=4)
+    e, pool = cap.engine, _line(cap, "KV pool:")
+    assert e.max_model_len == 4096 and e.num_kv_pages * 16 == 256 * 2048
+    assert (f"capped at the CPU pool size limit of {256 * 2048} tokens = max_num_seqs 256 x 2048 "
+            "(a pool total; one sequence may still reach max_model_len 4096)") in pool
+    assert "GiB (CPU_MAX_POOL_BYTES)" not in pool and "sequences x" not in pool
+    # a context below the per-sequence share names max_model_len as the factor
+    short = plan_capacity(EngineConfig(max_model_len=1024), TINY, CPU_2, itemsize=4)
+    assert "limit of 262144 tokens = max_num_seqs 256 x max_model_len 1024)" in _line(short, "KV pool:")
+    # one sequence always fits: the cap never drops below max_model_len (it used to lower it to 2048)
+    one = plan_capacity(EngineConfig(max_num_seqs=1), TINY, CPU_2, itemsize=4)
+    assert one.engine.max_model_len == 4096 and one.engine.num_kv_pages * 16 == 4096
+    assert "limit of 4096 tokens = one sequence of max_model_len 4096)" in _line(one, "KV pool:")
+    assert not any("lowered" in line for line in one.lines)
+    conc = _line(cap, "max concurrency")
+    assert conc.startswith("max concurrency at max_model_len 4096: 128.0 sequences") and "max_num_seqs 256" in conc
+
+
+def test_a_cpu_pool_capped_by_bytes_names_only_the_byte_cap():
+    m105 = dataclasses.replace(TINY, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
+                               num_kv_heads=4, head_dim=64)  # 16 KiB per token: 4 GiB < 256 x 2048 tokens
+    cap = plan_capacity(EngineConfig(), m105, CPU_2, itemsize=4)
+    pool = _line(cap, "KV pool:")
+    assert cap.kv_pool_bytes == 4 * GIB
+    assert pool.endswith("; capped at the CPU pool size limit of 4.00 GiB (CPU_MAX_POOL_BYTES))")
+    assert "x 2048" not in pool and "tokens =" not in pool.split(";")[-1]
+
+
+def test_8_bit_pages_sized_by_memory_claim_the_tokens_gained():
+    """A pool read off a memory size holds more 8-bit tokens in it: the ratio of the page bytes."""
+    plain_page = capacity.kv_bytes_per_token(TINY, 4) * 16
+    int8_page = capacity.kv_bytes_per_token(TINY, 4, kv_cache_dtype="int8") * 16
+    memory = 64 * 2 ** 20
+    cap = plan_capacity(EngineConfig(kv_cache_memory=memory, kv_cache_dtype="int8"), TINY, CPU_2, itemsize=4)
+    assert cap.engine.num_kv_pages == memory // int8_page
+    line = _line(cap, "KV cache dtype int8:")
+    assert line.endswith(f": {plain_page / int8_page:.2f}x the tokens of 32-bit pages in the same memory")
+    assert "instead of" not in line
+    # the free-memory budget of an accelerator, and a CPU pool bounded by its byte cap, are memory-sized too
+    h200 = MachineInfo("gpu", "NVIDIA H200", memory_per_device=141 * GIB, memory_in_use=2 * GIB)
+    gpu = plan_capacity(EngineConfig(kv_cache_dtype="int8"), TINY, h200, itemsize=2)
+    ratio = capacity.kv_bytes_per_token(TINY, 2) / capacity.kv_bytes_per_token(TINY, 2, kv_cache_dtype="int8")
+    assert _line(gpu, "KV cache dtype").endswith(f"{ratio:.2f}x the tokens of 16-bit pages in the same memory")
+    wide = dataclasses.replace(TINY, num_layers=16, num_kv_heads=4, num_heads=8, head_dim=128)  # 16.5 KiB/token int8
+    big = plan_capacity(EngineConfig(kv_cache_dtype="int8"), wide, CPU_2, itemsize=4)
+    assert big.lines[2].endswith("(CPU_MAX_POOL_BYTES))") and "the same memory" in _line(big, "KV cache dtype")
+
+
+def test_8_bit_pages_with_a_fixed_token_count_claim_the_memory_saved():
+    """Capped by tokens (or num_kv_pages), an 8-bit pool holds the tokens compute-dtype pages would
+    and takes less memory: the line gives both byte counts, not a token gain."""
+    plain_page = capacity.kv_bytes_per_token(TINY, 4) * 16
+    int8_page = capacity.kv_bytes_per_token(TINY, 4, kv_cache_dtype="int8") * 16
+    for engine in (EngineConfig(kv_cache_dtype="int8"), EngineConfig(kv_cache_dtype="int8", num_kv_pages=1000)):
+        cap = plan_capacity(engine, TINY, CPU_2, itemsize=4)
+        pages = cap.engine.num_kv_pages
+        assert pages == (256 * 2048 // 16 if engine.num_kv_pages is None else 1000)  # as many as 32-bit pages
+        assert cap.kv_pool_bytes == pages * int8_page
+        line = _line(cap, "KV cache dtype int8:")
+        assert "x the tokens" not in line and "same memory" not in line
+        assert (f"the pool's tokens take {capacity._gib(pages * int8_page)} instead of the "
+                f"{capacity._gib(pages * plain_page)} 32-bit pages would take "
+                f"({int8_page / plain_page:.2f}x the memory for the same tokens)") in line
+    assert capacity._gib(32768 * int8_page) == "544.00 MiB" and capacity._gib(32768 * plain_page) == "2.00 GiB"
+
+
 def test_accelerator_pool_is_the_memory_left_after_weights_and_temporaries():
     h200 = MachineInfo("gpu", "NVIDIA H200", memory_per_device=141 * GIB, memory_in_use=2 * GIB, cpu_cores=16)
     cap = plan_capacity(EngineConfig(), TINY, h200, itemsize=2)

@@ -114,7 +114,9 @@ def test_sharded_safetensors_index(hf_dir, tmp_path):
     save_file({n: tensors[n] for n in names[half:]}, str(d / "b.safetensors"))
     index = {"weight_map": {n: ("a.safetensors" if i < half else "b.safetensors") for i, n in enumerate(names)}}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    cfg, sharded = load_model(d, make_mesh(1, 1))
+    ticks: list[tuple[int, int]] = []  # the loading bar's: one per tensor, across both files
+    cfg, sharded = load_model(d, make_mesh(1, 1), progress=lambda done, total: ticks.append((done, total)))
+    assert ticks == [(i, len(names)) for i in range(len(names) + 1)]
     _, single = load_model(hf_dir, make_mesh(1, 1))
     _leaves_equal(sharded, single)
     (d / "b.safetensors").unlink()

@@ -16,8 +16,9 @@ The rules, in order (each one is skipped when the user set that value):
      leaves prefill 3/4 of a step with 256 sequences decoding, so a burst's prompts keep moving).
   3. The KV pool: `memory_utilization` of the device memory (accelerators 0.9 of HBM; CPU 0.5 of
      the RAM available after the weights are loaded) minus what is already in use and the largest
-     step's temporaries. On a CPU the pool is also capped at max_num_seqs x min(max_model_len,
-     CPU_TOKENS_PER_SEQ) tokens and at CPU_MAX_POOL_BYTES (4 GiB, vLLM's CPU default): RAM is
+     step's temporaries. On a CPU the pool's size is also capped at max_num_seqs x min(max_model_len,
+     CPU_TOKENS_PER_SEQ) tokens (at least one max_model_len sequence: a cap on the total, not on
+     any one sequence) and at CPU_MAX_POOL_BYTES (4 GiB, vLLM's CPU default): RAM is
      shared with the rest of the host, filling a larger pool slows every start, and pages beyond
      that only hold prefix-cache entries. A pool sized from free memory is rounded down to 5
      leading bits, so a restart gets the same pool, the same programs and persistent-cache hits.
@@ -194,17 +195,16 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
     max_num_batched_tokens = engine.max_num_batched_tokens or max(tokens, engine.max_num_seqs or 0)
     max_num_seqs = engine.max_num_seqs or min(seqs, max_num_batched_tokens)
 
-    per_token = kv_bytes_per_token(model, itemsize, model_axis, engine.kv_cache_dtype)
-    if draft is not None:
-        per_token += kv_bytes_per_token(draft, itemsize, model_axis, engine.kv_cache_dtype)
+    per_token = _pool_bytes_per_token(model, draft, itemsize, model_axis, engine.kv_cache_dtype)
     page_bytes = per_token * engine.page_size
     probe = dataclasses.replace(engine, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                 max_num_batched_tokens=max_num_batched_tokens)
     temp = max(step_temp_bytes(model, t, s, itemsize, model_axis)
                for t, s in declared_buckets(probe))
     utilization = engine.memory_utilization or DEFAULT_MEMORY_UTILIZATION[machine.platform]
+    same_tokens = False  # the pool's token count was fixed rather than read off a memory size
     if engine.num_kv_pages is not None:
-        num_pages, pool_why = engine.num_kv_pages, "set by num_kv_pages"
+        num_pages, pool_why, same_tokens = engine.num_kv_pages, "set by num_kv_pages", True
     elif engine.kv_cache_memory is not None:
         num_pages, pool_why = engine.kv_cache_memory // page_bytes, f"set by kv_cache_memory ({_gib(engine.kv_cache_memory)})"
         if num_pages < 1:
@@ -217,17 +217,14 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
             raise ValueError(f"no KV page fits: {_gib(machine.memory_per_device)} x {utilization:.2f} leaves "
                              f"{_gib(budget)} after weights, temporaries and LoRA slots; each page needs {page_bytes} bytes. "
                              f"Raise --memory-utilization, lower --max-num-batched-tokens, or use more devices")
-        where = "of available RAM" if machine.platform == "cpu" else f"of {_gib(machine.memory_per_device)}"
+        where = "of available RAM" if machine.platform == "cpu" else "of device memory"
         pool_why = (f"{utilization:.2f} {where} ({_gib(machine.memory_per_device)}) - {_gib(machine.memory_in_use)} "
                     f"in use - {_gib(temp)} step temporaries"
                     + (f" - {_gib(lora_bytes)} LoRA slots" if lora_bytes else ""))
         if machine.platform == "cpu":
-            per_seq = min(max_model_len, CPU_TOKENS_PER_SEQ)
-            cap = min(-(-max_num_seqs * per_seq // engine.page_size), CPU_MAX_POOL_BYTES // page_bytes)
-            if num_pages > cap:
-                num_pages = cap
-                pool_why += (f", capped at {max_num_seqs} sequences x {per_seq} tokens and "
-                             f"{_gib(CPU_MAX_POOL_BYTES)}")
+            num_pages, cap_why, same_tokens = _cpu_pool_cap(num_pages, page_bytes, engine.page_size,
+                                                            max_num_seqs, max_model_len)
+            pool_why += cap_why
     pool_tokens = num_pages * engine.page_size
     if pool_tokens < max_model_len:
         if engine.max_model_len is not None:
@@ -239,8 +236,8 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
     if engine.max_num_seqs is None:
         bound = max(1, pool_tokens // MIN_TOKENS_PER_SEQ)
         if bound < max_num_seqs:
-            adjustments.append(f"max_num_seqs lowered from {max_num_seqs} to {bound}: the pool holds "
-                         f"{MIN_TOKENS_PER_SEQ} tokens for each")
+            adjustments.append(f"max_num_seqs lowered from {max_num_seqs} to {bound}: the pool's {pool_tokens} "
+                               f"tokens give each at least {MIN_TOKENS_PER_SEQ}")
             max_num_seqs = bound
     if machine.platform == "tpu":
         pages_per_seq = -(-max_model_len // engine.page_size)
@@ -261,16 +258,20 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
     programs = serving_programs(resolved, model)
     num_programs, num_forwards = len(programs), sum(p.kind == "forward" for p in programs)
     pool_bytes = int(num_pages) * page_bytes
+    # what compute-dtype pages of the same tokens would take: the 8-bit line's comparison
+    plain_bytes = pool_tokens * _pool_bytes_per_token(model, draft, itemsize, model_axis, "auto")
+    kv_words = kv_quant.describe(engine.kv_cache_dtype, model.head_dim, itemsize, pool_bytes=pool_bytes,
+                                 plain_bytes=plain_bytes, same_tokens=same_tokens)
     lines = [
         f"machine: {machine.platform} ({machine.device_kind}), {_gib(machine.memory_per_device)} per device, "
         f"{machine.cpu_cores} cores",
         f"weights: {model.quantization.describe() if model.quantization else 'not quantized'}",
         f"KV pool: {num_pages} pages x {engine.page_size} tokens = {pool_tokens} tokens, {_gib(pool_bytes)} per "
         f"device ({pool_why})",
-        f"KV cache dtype {engine.kv_cache_dtype}: {kv_quant.describe(engine.kv_cache_dtype, model.head_dim, itemsize)}",
+        f"KV cache dtype {engine.kv_cache_dtype}: {kv_words}",
         f"max_model_len {max_model_len}; max_num_seqs {max_num_seqs}; max_num_batched_tokens "
         f"{max_num_batched_tokens} ({'set' if engine.max_num_batched_tokens else why})",
-        f"max concurrent tokens {pool_tokens} = {pool_tokens / max_model_len:.1f} full-length sequences",
+        _concurrency(pool_tokens, max_model_len, max_num_seqs),
         f"buckets: tokens {list(resolved.resolved_token_buckets())} x seqs {list(resolved.resolved_seq_buckets())}"
         f" -> {num_forwards} forward programs{' (with draft rows)' if num_forwards > len(buckets) else ''}; a step of n >= {buckets[0][0]} tokens pads to <= "
         f"{_padding_bound(resolved):.1f} n; "
@@ -278,6 +279,52 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
         *adjustments,
     ]
     return Capacity(resolved, pool_bytes, temp, num_programs, tuple(lines))
+
+
+def _pool_bytes_per_token(model: ModelConfig, draft: ModelConfig | None, itemsize: int, model_axis: int,
+                          kv_cache_dtype: str) -> int:
+    """One token's bytes in the pool on one device: the model's K/V, plus the draft's that shares its pages."""
+    per_token = kv_bytes_per_token(model, itemsize, model_axis, kv_cache_dtype)
+    if draft is not None:
+        per_token += kv_bytes_per_token(draft, itemsize, model_axis, kv_cache_dtype)
+    return per_token
+
+
+def _cpu_pool_cap(num_pages: int, page_bytes: int, page_size: int, max_num_seqs: int,
+                  max_model_len: int) -> tuple[int, str, bool]:
+    """(pages, words for the pool line, whether the token cap fixed the pool's tokens) after a CPU's
+    two caps on a pool sized from free memory. Both bound the pool's total, never one sequence's
+    length, so the token cap holds at least one max_model_len sequence and the words name only the
+    cap that bound, with its arithmetic."""
+    per_seq = min(max_model_len, CPU_TOKENS_PER_SEQ)
+    cap_tokens = max(max_num_seqs * per_seq, max_model_len)
+    token_pages = -(-cap_tokens // page_size)
+    byte_pages = CPU_MAX_POOL_BYTES // page_bytes
+    if num_pages <= min(token_pages, byte_pages):
+        return num_pages, "", False
+    if byte_pages < token_pages:
+        return byte_pages, (f"; capped at the CPU pool size limit of {_gib(CPU_MAX_POOL_BYTES)} "
+                            f"(CPU_MAX_POOL_BYTES)"), False
+    if cap_tokens == max_model_len:
+        terms = f"one sequence of max_model_len {max_model_len}"
+    elif per_seq == max_model_len:
+        terms = f"max_num_seqs {max_num_seqs} x max_model_len {max_model_len}"
+    else:  # a mean over the pool (CPU_TOKENS_PER_SEQ): any one sequence may still reach max_model_len
+        terms = (f"max_num_seqs {max_num_seqs} x {per_seq} (a pool total; one sequence may still reach "
+                 f"max_model_len {max_model_len})")
+    rounded = ", rounded up to whole pages" if token_pages * page_size != cap_tokens else ""
+    return token_pages, f"; capped at the CPU pool size limit of {cap_tokens} tokens = {terms}{rounded}", True
+
+
+def _concurrency(pool_tokens: int, max_model_len: int, max_num_seqs: int) -> str:
+    """How many sequences of max_model_len run at once: what the pool holds, at most max_num_seqs."""
+    fits = pool_tokens / max_model_len
+    head = f"max concurrency at max_model_len {max_model_len}:"
+    if fits >= max_num_seqs:
+        plural = "s" if max_num_seqs != 1 else ""
+        return f"{head} {max_num_seqs} sequence{plural}, max_num_seqs (the pool's {pool_tokens} tokens hold {fits:.1f})"
+    return (f"{head} {fits:.1f} sequences, what the pool's {pool_tokens} tokens hold "
+            f"(shorter ones: up to max_num_seqs {max_num_seqs})")
 
 
 def _padding_bound(cfg: EngineConfig) -> float:
@@ -288,4 +335,4 @@ def _padding_bound(cfg: EngineConfig) -> float:
 
 
 def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
+    return kv_quant.size_words(n)

@@ -174,7 +174,8 @@ def serve_replicas(argv: Sequence[str], roles: Sequence[Sequence[str]], devices_
     try:  # the watcher's SIGTERM may come at once: its SystemExit must land in this try
         threading.Thread(target=watch_replicas, args=(procs, stopping, failed), daemon=True).start()
         logger.info("serving http://%s:%d over %d replicas", host, port, len(roles))
-        uvicorn.run(front(urls), host=host, port=port, log_level=log_level, access_log=False)
+        uvicorn.run(front(urls), host=host, port=port, log_level=log_level, access_log=False,
+                    log_config=None)  # the root handler's format, as the replicas' (launch.py)
     except SystemExit:
         if not failed:
             raise

@@ -4,6 +4,7 @@ cache, the engine, its tokenizer, then the warm-up)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -13,6 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from checkpoints import load_model, resolve_model_dir
 from jaxserve.core.config import EngineConfig, ModelConfig, normalize_dtype_name
@@ -65,10 +67,36 @@ def load_engine_core(model: str | Path | None, engine_cfg: EngineConfig,
     return core, tokenizer_load.result(), model_dir
 
 
-def _build(model: str | Path | None, engine_cfg: EngineConfig,
-           tokenizer: Tokenizer | None) -> tuple[EngineCore, "Future[Tokenizer]", Path]:
+class LoadBar:
+    """The loading bar's ticks: one per checkpoint tensor read, then one for the engine (its KV pool
+    is allocated and zeroed: longer than the weights of a small model on a CPU). A loader that does
+    not count (orbax restore, dummy weights) leaves two ticks: the weights, the engine."""
+
+    def __init__(self, bar: tqdm) -> None:
+        self.bar = bar
+
+    def weights(self, done: int, total: int) -> None:
+        """load_model's progress: (tensors read, tensors in the checkpoint)."""
+        if self.bar.total != total + 1:
+            self.bar.total = total + 1
+        self.bar.update(done - self.bar.n)
+
+    def engine(self) -> None:
+        """The weights are placed (all of them, whether counted or not); the engine builds next."""
+        self.bar.set_postfix_str("KV pool", refresh=False)
+        self.bar.update(self.bar.total - 1 - self.bar.n)
+
+    def done(self) -> None:
+        self.bar.set_postfix_str("", refresh=False)
+        self.bar.update(self.bar.total - self.bar.n)
+
+
+def _build(model: str | Path | None, engine_cfg: EngineConfig, tokenizer: Tokenizer | None,
+           bar: LoadBar | None = None,
+           on_tokenizer: Callable[[Tokenizer, Path], None] | None = None) -> tuple[EngineCore, "Future[Tokenizer]", Path]:
     """The engine, not warmed up, and its tokenizer loading on a thread meanwhile (importing
-    transformers and reading a 150k vocabulary take seconds of a warm start)."""
+    transformers and reading a 150k vocabulary take seconds of a warm start). on_tokenizer(tokenizer,
+    model_dir): called as soon as the tokenizer is loaded, on whichever thread that is (it must not block)."""
     model_dir = model_dir_of(model)
     spec = engine_cfg.speculative_config
     if spec is not None and spec.method == "draft_model":
@@ -83,25 +111,44 @@ def _build(model: str | Path | None, engine_cfg: EngineConfig,
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
         tokenizer_load = pool.submit(Tokenizer.from_pretrained, model_dir)
         pool.shutdown(wait=False)
+    if on_tokenizer is not None:
+        tokenizer_load.add_done_callback(lambda done: done.exception() is None and on_tokenizer(done.result(), model_dir))
     enable_compilation_cache(engine_cfg.compilation_cache_dir)
     dtype = resolve_dtype(engine_cfg.dtype, ModelConfig.from_hf(model_dir).dtype)
     mesh = make_mesh(*engine_cfg.mesh_shape)
     model_cfg, weights = load_model(model_dir, mesh, dtype, engine_cfg.quantization,
                                     layout_rules(engine_cfg.layout, ModelConfig.from_hf(model_dir)),
-                                    engine_cfg.load_format)
+                                    engine_cfg.load_format, bar.weights if bar is not None else None)
+    if bar is not None:
+        bar.engine()
     return EngineCore(model_cfg, weights, engine_cfg, mesh, dtype), tokenizer_load, model_dir
 
 
 def load_with_progress(model: str | Path | None, engine_cfg: EngineConfig, show_progress: bool = True,
                        tokenizer: Tokenizer | None = None,
-                       before_warmup: Callable[[EngineCore], None] | None = None) -> tuple[EngineCore, Tokenizer, Path]:
-    """load_engine_core with progress bars on stderr: one while the model loads, one tick per
-    program compiled before serving. before_warmup: called with the built engine before it
-    compiles anything."""
+                       before_warmup: Callable[[EngineCore], None] | None = None,
+                       on_tokenizer: Callable[[Tokenizer, Path], None] | None = None) -> tuple[EngineCore, Tokenizer, Path]:
+    """load_engine_core with progress bars on stderr: one while the model loads (a tick per tensor
+    read, see LoadBar), one tick per program compiled before serving. Log lines meanwhile are
+    written above the bars, never on a bar's line. before_warmup: called with the built engine
+    before it compiles anything; on_tokenizer: see _build."""
+    # The root logger's console handlers write through tqdm.write while the bars show (uvicorn's
+    # loggers propagate there too: launch.py); jaxserve's own loggers have no handlers of their own.
+    with logging_redirect_tqdm() if show_progress else contextlib.nullcontext():
+        return _load_with_bars(model, engine_cfg, show_progress, tokenizer, before_warmup, on_tokenizer)
+
+
+def _load_with_bars(model: str | Path | None, engine_cfg: EngineConfig, show_progress: bool,
+                    tokenizer: Tokenizer | None,
+                    before_warmup: Callable[[EngineCore], None] | None,
+                    on_tokenizer: Callable[[Tokenizer, Path], None] | None) -> tuple[EngineCore, Tokenizer, Path]:
     name = str(model) if model is not None else DISPLAY_NAME
-    with tqdm(total=1, desc=f"loading {name}", file=sys.stderr, disable=not show_progress) as bar:
-        core, tokenizer_load, model_dir = _build(model, engine_cfg, tokenizer)
-        bar.update(1)
+    # no rate: the ticks are tensors, then the engine
+    with tqdm(total=2, desc=f"loading {name}", file=sys.stderr, disable=not show_progress, postfix="weights",
+              bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]") as bar:
+        load_bar = LoadBar(bar)
+        core, tokenizer_load, model_dir = _build(model, engine_cfg, tokenizer, load_bar, on_tokenizer)
+        load_bar.done()
     if before_warmup is not None:
         before_warmup(core)
     compile_bar: tqdm | None = None

@@ -235,7 +235,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         from jaxserve.distributed.router import build_router
 
         uvicorn.run(build_router(args.replicas, args.balance_slack), host=args.host, port=args.port,
-                    log_level=args.log_level, access_log=False)
+                    log_level=args.log_level, access_log=False, log_config=None)  # our format (launch.py)
         return 0
     if args.command == "proxy":
         import uvicorn
@@ -243,7 +243,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         from jaxserve.disagg.pd_proxy import build_pd_proxy
 
         uvicorn.run(build_pd_proxy(args.prefill, args.decode), host=args.host, port=args.port,
-                    log_level=args.log_level, access_log=False)
+                    log_level=args.log_level, access_log=False, log_config=None)
         return 0
     if args.command == "serve" and args.disaggregate is not None:
         from jaxserve.disagg.pd_proxy import serve_disaggregated

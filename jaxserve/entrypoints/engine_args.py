@@ -170,8 +170,8 @@ def add_size_args(g: argparse._ArgumentGroup) -> None:
                    "token and KV head (int8; fp8 = fp8_e4m3; fp8_e5m2): ~2x the tokens of bf16 pages, ~4x of f32")
     g.add_argument("--memory-utilization", "--gpu-memory-utilization", type=_fraction, default=None, help="share of device memory the "
                    "engine may use; the KV pool gets what weights and step temporaries leave (default: 0.9 on "
-                   "GPU/TPU, 0.5 of the available RAM on CPU, where the pool is also capped at 2048 tokens "
-                   "per sequence and 4 GiB; --gpu-memory-utilization: vLLM's name, on every platform)")
+                   "GPU/TPU, 0.5 of the available RAM on CPU, where the pool is also capped at "
+                   "max_num_seqs x 2048 tokens (a total) and 4 GiB; --gpu-memory-utilization: vLLM's name, on every platform)")
     g.add_argument("--token-buckets", type=_buckets, default=None,
                    help="declared step sizes in tokens, comma-separated, or 'auto' (default: auto = 16 x 4^k "
                    "below half the budget, then half the budget and the budget)")

@@ -48,13 +48,34 @@ def bytes_per_head_token(name: str, head_dim: int, itemsize: int) -> int:
     return head_dim + SCALE_BYTES if is_quantized(name) else head_dim * itemsize
 
 
-def describe(name: str, head_dim: int, itemsize: int) -> str:
-    """The start-up line's words for it, with the tokens gained over compute-dtype pages."""
+def describe(name: str, head_dim: int, itemsize: int, *, pool_bytes: int | None = None,
+             plain_bytes: int | None = None, same_tokens: bool = False) -> str:
+    """The start-up line's words for it. 8-bit pages either hold more tokens in the same memory or
+    the same tokens in less, never both, so the claim follows how the pool was sized:
+    - by memory (the default, `jaxserve plan`'s advice, a pool sized from free memory or a byte
+      budget): the tokens gained over compute-dtype pages;
+    - with `same_tokens` (its token count was fixed: a token cap, num_kv_pages): `pool_bytes` against
+      `plain_bytes`, what compute-dtype pages of the same tokens would take.
+    Given both byte figures, the ratio is theirs (a draft model's K/V in the same pages counts too)."""
     if not is_quantized(name):
         return f"pages in the {8 * itemsize}-bit compute dtype (not quantized)"
-    gain = bytes_per_head_token("auto", head_dim, itemsize) / bytes_per_head_token(name, head_dim, itemsize)
-    return (f"{_STORAGE[name].name} values + a float32 scale per token and KV head: {gain:.2f}x the "
-            f"tokens of {8 * itemsize}-bit pages in the same memory")
+    stored = f"{_STORAGE[name].name} values + a float32 scale per token and KV head"
+    plain = f"{8 * itemsize}-bit pages"
+    if same_tokens:
+        if pool_bytes is None or plain_bytes is None:
+            raise ValueError("same_tokens needs pool_bytes and plain_bytes")
+        return (f"{stored}: the pool's tokens take {size_words(pool_bytes)} instead of the {size_words(plain_bytes)} "
+                f"{plain} would take ({pool_bytes / plain_bytes:.2f}x the memory for the same tokens)")
+    if pool_bytes is not None and plain_bytes is not None:
+        gain = plain_bytes / pool_bytes
+    else:
+        gain = bytes_per_head_token("auto", head_dim, itemsize) / bytes_per_head_token(name, head_dim, itemsize)
+    return f"{stored}: {gain:.2f}x the tokens of {plain} in the same memory"
+
+
+def size_words(n: int) -> str:
+    """GiB with two decimals, MiB below 1 GiB (a small pool or budget would read 0.00 GiB)."""
+    return f"{n / 2 ** 30:.2f} GiB" if abs(n) >= 2 ** 30 else f"{n / 2 ** 20:.2f} MiB"
 
 
 def check_platform(name: str, platform: str, device_kind: str, compute_capability: str | None) -> None:

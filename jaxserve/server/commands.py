@@ -74,6 +74,9 @@ def check_request_fits(cfg: EngineConfig, prompt_len: int, max_tokens: int | Non
 def convert(src: str, dst: str, dtype: str | None = None, quantization: str | None = None) -> Path:
     """HF safetensors (or a converted dir) at src -> orbax checkpoint + HF metadata at dst
     (quantized with an online scheme when `quantization` names one)."""
+    from jaxserve.core.quiet import quiet_startup
+
+    quiet_startup()  # before jax picks its backend; orbax's INFO lines while it saves
     import jax.numpy as jnp
 
     from checkpoints import load_model, orbax_io, resolve_model_dir

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 
@@ -46,13 +46,13 @@ def model_loader(model: str | None, engine_cfg: EngineConfig, show_progress: boo
     followers: a multi-host leader's multihost.Followers; they build the engine with the leader's
     resolved sizes and warm up alongside it, then follow its steps."""
 
-    def load() -> tuple[Any, Any, Path]:
+    def load(on_tokenizer: Callable[[Any, Path], None]) -> tuple[Any, Any, Path]:
         quiet_startup()  # before transformers is imported and jax picks its backend
         from jaxserve.engine.loading import load_with_progress
 
         if followers is None:
-            return load_with_progress(model, engine_cfg, show_progress)
-        loaded = load_with_progress(model, engine_cfg, show_progress,
+            return load_with_progress(model, engine_cfg, show_progress, on_tokenizer=on_tokenizer)
+        loaded = load_with_progress(model, engine_cfg, show_progress, on_tokenizer=on_tokenizer,
                                     before_warmup=lambda core: followers.send(("config", core.engine_cfg)))
         loaded[0].runner.followers = followers
         return loaded
@@ -151,7 +151,9 @@ def serve(model: str | None, engine_cfg: EngineConfig, server_cfg: ServerConfig,
         followers = Followers(multi)
     cfg = dataclasses.replace(server_cfg, on_ready=on_ready, on_load_failed=on_failed)
     app = build_app(model_loader(model, engine_cfg, show_progress, followers), cfg)
-    uv_cfg = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+    # log_config=None: uvicorn's loggers keep no handlers of their own and propagate to the root
+    # one (cli.py's format, and tqdm's redirect while the bars show); log_level still sets theirs.
+    uv_cfg = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", log_config=None,
                             timeout_graceful_shutdown=FINAL_GRACE_SECONDS, access_log=access_log)
     server = GracefulServer(uv_cfg, app.state.server, shutdown_timeout, model or DISPLAY_NAME)
     holder["server"] = server

@@ -289,10 +289,14 @@ def check_lengths(prompts: list[list[int]], max_tokens: int | None, ctx: ModelCo
     for i, ids in enumerate(prompts):
         what = f"{prompt_param}[{i}]" if len(prompts) > 1 else prompt_param
         if len(ids) >= ctx.max_model_len:
+            # the client sees why; the server's log gets one line (the access line says only "400")
+            logger.info("refused a request: %s has %d tokens, max_model_len is %d", what, len(ids), ctx.max_model_len)
             raise bad_request(f"'{what}' has {len(ids)} tokens, which leaves no room for output within "
                               f"max_model_len {ctx.max_model_len}", prompt_param, "context_length_exceeded")
         if max_tokens is not None and len(ids) + max_tokens > ctx.max_model_len:
             limit = max_tokens_param or "the default max_tokens"
+            logger.info("refused a request: %s has %d tokens + %s %d > max_model_len %d", what, len(ids), limit,
+                        max_tokens, ctx.max_model_len)
             raise bad_request(f"'{what}' ({len(ids)} tokens) + {limit} ({max_tokens}) = {len(ids) + max_tokens} "
                               f"exceeds max_model_len ({ctx.max_model_len})", max_tokens_param or prompt_param,
                               "context_length_exceeded")

@@ -32,8 +32,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("jaxserve.server")
 
-# () -> (EngineCore warmed up, Tokenizer, model directory)
-Loader = Callable[[], tuple[Any, Any, Path]]
+# (on_tokenizer) -> (EngineCore warmed up, Tokenizer, model directory). The loader calls
+# on_tokenizer(tokenizer, model_dir) as soon as the tokenizer is loaded, while the model still loads
+# (or not at all: the state then does that work once the loader returns).
+Loader = Callable[[Callable[[Any, Path], None]], tuple[Any, Any, Path]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +131,7 @@ class ServerState:
         try:
             from jaxserve.engine.async_engine import Engine
 
-            core, tokenizer, model_dir = self.loader()
+            core, tokenizer, model_dir = self.loader(self._tokenizer_loaded)
             if self.config.chat_template is not None:
                 tokenizer = tokenizer.with_chat_template(self.config.chat_template)
             if self.status != "loading":  # shut down while we were loading
@@ -147,7 +149,8 @@ class ServerState:
             self.strings = TokenStrings(lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
                                         tokenizer.convert_ids_to_tokens)
             self.load_seconds = time.monotonic() - start
-            # llguidance's view of the vocabulary takes ~1.5 s: build it now, not in a first request
+            # built already, or building, when the loader called _tokenizer_loaded; else now, not
+            # in a first request
             self._start_thread(lambda: self.grammars, "jaxserve-grammars")
         except BaseException as e:
             self.error = e
@@ -181,13 +184,24 @@ class ServerState:
 
     @property
     def grammars(self) -> Any:
-        """The GrammarCompiler (structured output, forced tool calls); built once, on first use."""
+        """The GrammarCompiler (structured output, forced tool calls); built once (see _tokenizer_loaded)."""
+        return self._build_grammars(self.tokenizer, self.core.model_cfg.vocab_size)
+
+    def _tokenizer_loaded(self, tokenizer: Any, model_dir: Path) -> None:
+        """The loader's hook. llguidance's view of the vocabulary takes ~1.5 s holding the GIL: built
+        while the model loads and warms up (mostly native code that lets it run), not beside the
+        first request, which it would delay by as much."""
+        from jaxserve.core.config import ModelConfig
+
+        vocab_size = ModelConfig.from_hf(model_dir).vocab_size
+        self._start_thread(lambda: self._build_grammars(tokenizer, vocab_size), "jaxserve-grammars")
+
+    def _build_grammars(self, tokenizer: Any, vocab_size: int) -> Any:
         with self._grammars_lock:
             if self._grammars is None:
                 from jaxserve.structured.compiler import GrammarCompiler
 
-                self._grammars = GrammarCompiler(self.tokenizer.hf, self.core.model_cfg.vocab_size,
-                                                 self.tokenizer.eos_token_ids)
+                self._grammars = GrammarCompiler(tokenizer.hf, vocab_size, tokenizer.eos_token_ids)
             return self._grammars
 
     @property

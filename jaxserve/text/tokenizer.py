@@ -88,7 +88,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        # verbose=False: transformers warns "Token indices sequence length is longer than the specified
+        # maximum sequence length" past tokenizer_config's model_max_length, which is not our limit
+        # (max_model_len is; the server refuses an over-long prompt with a line of its own).
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -273,3 +273,24 @@ def test_chat_template_server_fault_is_a_500_that_says_so_not_a_400(live, loaded
     assert "server" in error["message"]
     assert engine_counters(live) == before
     assert any(rec.exc_info and "jinja2" in rec.getMessage() for rec in caplog.records)  # logged with its cause
+
+
+def test_an_over_long_prompt_is_refused_with_one_log_line_of_ours(live, loaded_model, monkeypatch, caplog):
+    """One line naming the lengths (the access line says only 400), and not transformers' warning
+    about its tokenizer_config model_max_length, which a prompt this long passes too."""
+    hf = loaded_model[1].hf
+    monkeypatch.setattr(hf, "deprecation_warnings", {})  # transformers warns once per tokenizer
+    heard: list[str] = []
+    transformers_log = logging.getLogger("transformers")  # does not propagate to caplog's root handler
+    monkeypatch.setattr(transformers_log, "handlers", [*transformers_log.handlers, logging.Handler()])
+    monkeypatch.setattr(transformers_log.handlers[-1], "emit", lambda record: heard.append(record.getMessage()))
+    text = "hi " * (hf.model_max_length + 100)
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        r = httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": text}, headers=AUTH,
+                       timeout=60)
+    assert_openai_error(r, 400, "prompt")
+    tokens = int(r.json()["error"]["message"].split(" has ")[1].split()[0])
+    ours = [rec for rec in caplog.records if rec.name.startswith("jaxserve")]
+    assert [rec.getMessage() for rec in ours] == [f"refused a request: prompt has {tokens} tokens, max_model_len "
+                                                  f"is {live.state.core.engine_cfg.max_model_len}"]
+    assert heard == []

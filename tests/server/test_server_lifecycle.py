@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import socket
 import subprocess
@@ -27,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_503_while_the_model_loads_then_200(loaded_model):
     gate = threading.Event()
 
-    def slow_loader():  # the app serves HTTP while this runs on its loader thread
+    def slow_loader(on_tokenizer):  # the app serves HTTP while this runs on its loader thread
         assert gate.wait(120)
         return loaded_model
 
@@ -48,6 +49,30 @@ def test_503_while_the_model_loads_then_200(loaded_model):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     finally:
         gate.set()
+        live.stop()
+
+
+def test_the_grammar_compiler_builds_while_the_model_loads(loaded_model):
+    """The loader hands the tokenizer over as soon as it has it: llguidance's view of the
+    vocabulary (~1.5 s holding the GIL) is built before the loader returns, not beside a first
+    request, and for the model's vocabulary."""
+    core, tokenizer, model_dir = loaded_model
+    app: list = []
+
+    def loader(on_tokenizer):
+        on_tokenizer(tokenizer, model_dir)
+        deadline = time.monotonic() + 120
+        while app[0].state.server._grammars is None:
+            assert time.monotonic() < deadline, "on_tokenizer did not build the grammar compiler"
+            time.sleep(0.05)
+        return loaded_model
+
+    app.append(build_app(loader, ServerConfig(served_model_names=(MODEL,))))
+    live = LiveServer(app[0])
+    try:
+        live.wait_ready(timeout=180)
+        assert live.state.grammars.vocab_size == core.model_cfg.vocab_size
+    finally:
         live.stop()
 
 
@@ -158,13 +183,17 @@ def test_sigterm_drains_in_flight_stream_and_exits_0(xla_cache_dir, loaded_model
     assert log.index("jaxserve listening on") < log.index("jaxserve ready at"), log
     assert '"GET /health' not in log and '"POST /v1/completions HTTP/1.1" 200' in log, log
     assert "Unable to initialize backend 'tpu'" not in log and "Traceback" not in log, log
+    # one format (cli.py's) for uvicorn's lines and ours: uvicorn's own "INFO:     ..." is gone
+    line_format = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
+    assert all(line_format.match(line) for line in log.splitlines()), log
+    assert " INFO uvicorn.access: " in log and " INFO uvicorn.error: " in log, log
 
 
 def test_drain_timeout_aborts_what_still_runs(loaded_model):
     """In process, the same GracefulServer: with a 1 s drain, a stream that needs longer is aborted:
     it ends with a final event carrying finish_reason "abort" and [DONE], never a cut connection; the
     server stops shortly after the timeout."""
-    app = build_app(lambda: loaded_model, ServerConfig(served_model_names=(MODEL,)))
+    app = build_app(lambda _: loaded_model, ServerConfig(served_model_names=(MODEL,)))
     state = app.state.server
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
                             timeout_graceful_shutdown=FINAL_GRACE_SECONDS)
