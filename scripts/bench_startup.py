@@ -58,7 +58,9 @@ def start_once(model: str | None, flags: list[str], xdg: Path, log_path: Path, t
     url = f"http://127.0.0.1:{port}"
     cmd = [bc.python_cmd(), "-m", "jaxserve.entrypoints.cli", "serve", "--port", str(port), "--no-progress",
            *flags] + (["--model", model] if model else [])
-    env = {**os.environ, "XDG_CACHE_HOME": str(xdg)}
+    # both cache roots: jax's and the programs' (XDG_CACHE_HOME), the embedded model's and the native
+    # kernel's (JAXSERVE_CACHE), so a cold start meets what a fresh machine does
+    env = {**os.environ, "XDG_CACHE_HOME": str(xdg), "JAXSERVE_CACHE": str(xdg / "jaxserve")}
     t0 = time.monotonic()
     with bc.server_process(cmd, f"{url}/health", log_path, timeout, env=env):
         ready = time.monotonic() - t0
