@@ -198,6 +198,8 @@ def _serving(command: str, env: dict[str, str], cwd: Path, log: Path, port: int)
         yield proc
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 0, log.read_text()
+        # Ctrl-C while programs still compile in the background: a quiet stop, no error or traceback
+        assert not re.search(r" ERROR |Traceback", log.read_text()), log.read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -63,6 +63,8 @@ class Engine:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._wake.set()
+        if (background := self.core.runner.background) is not None:
+            background.stop()  # no new background compile starts while the process winds down
         if self._thread is not None:
             self._thread.join(timeout)
 

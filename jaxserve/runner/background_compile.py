@@ -142,6 +142,9 @@ class BucketCompiler:
                             self.seconds)
         except Exception as e:  # noqa: BLE001 — serving goes on with the buckets that are ready
             self.failed = f"{type(e).__name__}: {e}"
+            if self._stop.is_set():  # the process is stopping: what a compile met then is not a fault
+                logger.debug("background compilation stopped while shutting down (%s)", self.failed)
+                return
             logger.error("background compilation stopped (%s); serving goes on with the %d ready buckets",
                          self.failed, len(self._ready))
         finally:
