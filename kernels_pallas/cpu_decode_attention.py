@@ -24,6 +24,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -62,9 +63,33 @@ def _cpu_kind() -> str:
     return f"{platform.machine()} {flags}"
 
 
+_BUILD_LOCK = threading.Lock()  # one build per process: prepare()'s thread and the first trace wait for each other
+
+
+def prepare() -> None:
+    """Starts building the library on a thread of its own (nothing when it is built already or no
+    compiler is here): on a cold start the C++ compile (~3-4 s on 2 cores) then runs beside the
+    model's load instead of inside the first program's trace, which finds it built."""
+    compiler = _compiler()
+    if compiler is not None:
+        threading.Thread(target=lambda: _build_quietly(compiler), name="jaxserve-native-kernel", daemon=True).start()
+
+
+def _build_quietly(compiler: list[str]) -> None:
+    try:
+        build(compiler, _cache_dir())
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        pass  # available() builds again on first use and logs why it failed
+
+
 def build(compiler: list[str], directory: Path) -> Path:
     """The library compiled from the shipped source (once per source / compiler / jaxlib: the name
     says which); built into a temporary file and renamed, so concurrent builds never see half a file."""
+    with _BUILD_LOCK:
+        return _build(compiler, directory)
+
+
+def _build(compiler: list[str], directory: Path) -> Path:
     import jaxlib
 
     include = jax.ffi.include_dir()

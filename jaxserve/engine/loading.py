@@ -111,6 +111,10 @@ def _build(model: str | Path | None, engine_cfg: EngineConfig, tokenizer: Tokeni
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
         tokenizer_load = pool.submit(Tokenizer.from_pretrained, model_dir)
         pool.shutdown(wait=False)
+    if engine_cfg.attention_backend in ("auto", "cpu") and jax.default_backend() == "cpu":
+        from kernels_pallas import cpu_decode_attention
+
+        cpu_decode_attention.prepare()  # the native decode kernel's first build runs beside the load
     if on_tokenizer is not None:
         tokenizer_load.add_done_callback(lambda done: done.exception() is None and on_tokenizer(done.result(), model_dir))
     enable_compilation_cache(engine_cfg.compilation_cache_dir)
