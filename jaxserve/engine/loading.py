@@ -97,6 +97,11 @@ def _build(model: str | Path | None, engine_cfg: EngineConfig, tokenizer: Tokeni
     """The engine, not warmed up, and its tokenizer loading on a thread meanwhile (importing
     transformers and reading a 150k vocabulary take seconds of a warm start). on_tokenizer(tokenizer,
     model_dir): called as soon as the tokenizer is loaded, on whichever thread that is (it must not block)."""
+    if engine_cfg.attention_backend in ("auto", "cpu") and jax.default_backend() == "cpu":
+        from kernels_pallas import cpu_decode_attention
+
+        cpu_decode_attention.prepare()  # the native decode kernel's first build runs beside the load
+        # (and beside writing the embedded model on first use)
     model_dir = model_dir_of(model)
     spec = engine_cfg.speculative_config
     if spec is not None and spec.method == "draft_model":
@@ -111,10 +116,6 @@ def _build(model: str | Path | None, engine_cfg: EngineConfig, tokenizer: Tokeni
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
         tokenizer_load = pool.submit(Tokenizer.from_pretrained, model_dir)
         pool.shutdown(wait=False)
-    if engine_cfg.attention_backend in ("auto", "cpu") and jax.default_backend() == "cpu":
-        from kernels_pallas import cpu_decode_attention
-
-        cpu_decode_attention.prepare()  # the native decode kernel's first build runs beside the load
     if on_tokenizer is not None:
         tokenizer_load.add_done_callback(lambda done: done.exception() is None and on_tokenizer(done.result(), model_dir))
     enable_compilation_cache(engine_cfg.compilation_cache_dir)
