@@ -193,3 +193,24 @@ def test_pd_roles_on_several_hosts_are_refused_before_anything_starts(role, caps
                      "--kv-role", role, "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "--kv-role" in err and "--num-hosts" in err and "Traceback" not in err
+
+
+def test_a_step_message_is_pickled_once_for_every_follower(monkeypatch):
+    """The leader pickles a step message once and sends the same bytes to each follower (outside
+    the lock the heartbeat shares); a follower's recv() reads the message back."""
+    import threading
+    from multiprocessing import Pipe
+
+    from jaxserve.distributed import multihost
+
+    pickles = []
+    real = multihost.ForkingPickler.dumps
+    monkeypatch.setattr(multihost.ForkingPickler, "dumps", lambda obj: pickles.append(obj) or real(obj))
+    pipes = [Pipe() for _ in range(3)]
+    leader = multihost.Followers.__new__(multihost.Followers)
+    leader._lock = threading.Lock()
+    leader.conns = {rank + 1: a for rank, (a, _) in enumerate(pipes)}
+    message = ("forward", {"tokens": list(range(1000))})
+    leader.send(message)
+    assert len(pickles) == 1
+    assert all(b.recv() == message for _, b in pipes)

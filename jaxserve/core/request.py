@@ -34,7 +34,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class TokenEvent:
     """One sampled token of one sample (or a bare finish: token_id None, e.g. an abort)."""
 
@@ -85,6 +85,8 @@ class Sequence:
     draft_misses: int = 0
     draft_resume_step: int = 0
     lora_slot: int = -1                # multi-LoRA: the device slot it pins while admitted (-1: none)
+    # admission: (num_tokens, prefix-cache page keys of its tokens) while it waits at the head of the line
+    prefix_keys: tuple[int, list[bytes]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,7 +12,7 @@ from jaxserve.core.request import Request, Sequence, TokenEvent
 PENDING_TOKEN = -1  # in ScheduledChunk.token_ids: the in-flight token sampled by the previous step
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class SampledToken:
     """What the model runner returns per sample row, in plan order (a chunk with d drafts has
     d + 1 rows)."""
@@ -23,7 +23,7 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledChunk:
     seq_id: str
     request: Request
@@ -31,7 +31,8 @@ class ScheduledChunk:
     token_ids: list[int]         # tokens whose K/V this step computes (a prefill chunk or 1 decode token);
                                  # PENDING_TOKEN: the token sampled for this sequence by the previous step
     start_pos: int               # absolute position of token_ids[0] (= tokens already in the KV cache)
-    page_table: list[int]        # pages covering positions [0, start_pos + len(token_ids))
+    page_table: list[int]        # pages covering positions [0, start_pos + len(token_ids)): the allocator's
+                                 # live list, not a copy (read it before the next schedule())
     sample: bool                 # chunk ends at the sequence's last token: one token is sampled
     output_token_ids: list[int]  # generated tokens so far; the live list, read it before update(); it lacks
                                  # the in-flight token (its count: start_pos + len(token_ids) - prompt length)
@@ -59,6 +60,9 @@ class StepPlan:
     finished: list[TokenEvent] = dataclasses.field(default_factory=list)  # finishes without a step (abort)
     # multi-LoRA: (slot, adapter name) to load into the device slots before the step runs
     lora_loads: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    # sequences that left the batch (finished, aborted, preempted) since the previous plan with
+    # chunks: the runner drops their persistent rows (runner/batch_rows.py) before this plan's
+    released: list[Sequence] = dataclasses.field(default_factory=list, repr=False, compare=False)
     # seq_id -> the Sequence each chunk belongs to (update() must not look ids up again: a finished
     # request's id may be reused while its last step is still in flight)
     owners: dict[str, Sequence] = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -83,16 +87,26 @@ class SwapCosts:
 
 def sampled_tokens(plan: StepPlan, out: Any) -> list[SampledToken]:
     """One SampledToken per sample row of a fetched sampler output (numpy token_ids, logprobs,
-    top_ids, top_logprobs), in plan order (a chunk with d drafts has d + 1 rows)."""
+    top_ids, top_logprobs), in plan order (a chunk with d drafts has d + 1 rows). The arrays are
+    turned into Python lists once per step, not element by element."""
+    n = plan.num_samples
+    ids = out.token_ids[:n].tolist()
+    logprobs = top_ids = top_lps = None
     sampled = []
     row = 0
     for chunk in plan.chunks:
+        k = chunk.num_sample_rows
+        if not k:
+            continue
         want = chunk.request.params.logprobs
-        for _ in range(chunk.num_sample_rows):
-            top = None
-            if want:
-                top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[row, :want], out.top_logprobs[row, :want])]
-            logprob = float(out.logprobs[row]) if want is not None else None
-            sampled.append(SampledToken(chunk.seq_id, int(out.token_ids[row]), logprob, top))
-            row += 1
+        if want is not None and logprobs is None:
+            logprobs = out.logprobs[:n].tolist()
+            top_ids, top_lps = out.top_ids[:n].tolist(), out.top_logprobs[:n].tolist()
+        for r in range(row, row + k):
+            if want is None:
+                sampled.append(SampledToken(chunk.seq_id, ids[r]))
+            else:
+                top = list(zip(top_ids[r][:want], top_lps[r][:want])) if want else None
+                sampled.append(SampledToken(chunk.seq_id, ids[r], logprobs[r], top))
+        row += k
     return sampled

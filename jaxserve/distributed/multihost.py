@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 logger = logging.getLogger("jaxserve.distributed.multihost")
@@ -183,9 +184,12 @@ class Followers:
             _die("a follower stopped on its own")
 
     def send(self, message: tuple) -> None:
+        """One pickle for every follower, made before taking the lock (the heartbeat shares it):
+        what Connection.send would do per follower, once."""
+        payload = ForkingPickler.dumps(message)
         with self._lock:
             for conn in self.conns.values():
-                conn.send(message)
+                conn.send_bytes(payload)
 
     def close(self) -> None:
         """Tells the followers to exit (0) and stops the heartbeat."""

@@ -14,6 +14,7 @@ pages enter the prefix cache only once their K/V is computed (in `update`).
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import TYPE_CHECKING
 
@@ -64,7 +65,9 @@ class Admission:
             self.limited = "tokens"
 
     def _admit(self, st: _Step) -> None:
-        self._waiting.sort(key=self._unit_key)  # nearly sorted already: linear
+        if self._waiting_unsorted:  # a preemption, or arrivals out of order: rare
+            self._waiting = collections.deque(sorted(self._waiting, key=self._unit_key))
+            self._waiting_unsorted = False
         alloc = self.allocator
         while self._waiting and st.budget > 0:
             unit = self._waiting[0]
@@ -75,9 +78,12 @@ class Admission:
             if any(seq.num_inflight for seq in unit):
                 break  # preempted while its last token was in flight: recompute once that is known
             leader = unit[0]
-            tokens = leader.token_slice(0, leader.num_tokens)  # prompt (+ output when recomputing)
             namespace = self._namespace(leader.request)
-            cached, num_cached = alloc.match_prefix(tokens, namespace)
+            num_tokens = leader.num_tokens  # prompt (+ output when recomputing)
+            if leader.prefix_keys is None or leader.prefix_keys[0] != num_tokens:
+                # hashed once while the head of the line waits, not at every step it stays blocked
+                leader.prefix_keys = (num_tokens, alloc.prefix_keys(leader.token_slice(0, num_tokens), namespace))
+            cached, num_cached = alloc.match_prefix((), namespace, leader.prefix_keys[1])
             assert num_cached <= leader.target_len  # the match never covers the last token
             first = min(leader.target_len - num_cached, st.budget)
             if not alloc.can_allocate(alloc.pages_needed(num_cached + first) - len(cached), holding=cached):
@@ -85,8 +91,11 @@ class Admission:
             lora = leader.request.lora_name
             if lora is not None and not self.lora_slots.available(lora):
                 break  # every adapter slot is held by running sequences of other adapters
-            self._waiting.pop(0)
-            alloc.open(leader.seq_id, namespace, cached, num_query_tokens=len(tokens))
+            if lora is not None and lora not in self.lora_slots.names and not self.lora_resident(lora):
+                break  # its adapter is being read from disk (off the engine thread): admitted once in
+            self._waiting.popleft()
+            leader.prefix_keys = None
+            alloc.open(leader.seq_id, namespace, cached, num_query_tokens=num_tokens)
             if leader.admitted_once:  # a preempted sequence resumes: what came back from the host is a swap-in
                 self._num_swapped_in_pages += sum(1 for p in cached if p < 0)
             st.cache_hit_tokens += num_cached
@@ -151,8 +160,10 @@ class Admission:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self._running.remove(seq)
+            self._released.append(seq)
             st.plan.preempted.append(seq.seq_id)
         self._waiting.append(unit)  # _admit sorts the queue: it lands in front of later arrivals
+        self._waiting_unsorted = True
         self._num_preemptions += 1
         st.preempted = True
 

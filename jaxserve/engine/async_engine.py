@@ -1,6 +1,7 @@
 """The async front: `Engine` runs an `EngineCore` on one background thread (its inbox is the
 core's thread-safe add/abort/finish) and delivers each request's TokenEvents to an asyncio queue on
-the caller's event loop (`call_soon_threadsafe`). Nothing here decodes text: detokenization and
+the caller's event loop: one `call_soon_threadsafe` per step and loop, carrying all of the step's
+events. Nothing here decodes text: detokenization and
 stop strings happen on the consumer's side, which calls `finish()` when a stop string ends a
 sample."""
 
@@ -141,6 +142,9 @@ class Engine:
                 self._deliver(events)
                 if self.on_step is not None:
                     self.on_step(events)
+                if self.core.stalled and not events:
+                    self._wake.wait(0.002)
+                    self._wake.clear()
         except BaseException as e:  # the loop must not die silently: fail every open stream
             logger.exception("engine loop failed")
             self.error = e
@@ -153,8 +157,13 @@ class Engine:
                                               FinishReason.ABORT, len(stream.request.prompt_token_ids), 0))
 
     def _deliver(self, events: list[TokenEvent]) -> None:
-        for event in events:
-            with self._lock:
+        """A step's events, under one lock, handed to each event loop in one call (one wake-up of
+        the loop per step, not per token)."""
+        if not events:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TokenEvent]]] = {}
+        with self._lock:
+            for event in events:
                 stream = self._streams.get(event.request_id)
                 if stream is None or event.sample_index in stream.closed_samples:
                     continue  # e.g. a token sampled after a stop string, in the step in flight
@@ -162,4 +171,12 @@ class Engine:
                     stream.closed_samples.add(event.sample_index)
                     if len(stream.closed_samples) == stream.request.params.n:
                         del self._streams[event.request_id]
-            stream.deliver(event)
+                by_loop.setdefault(stream.loop, []).append((stream, event))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[RequestStream, TokenEvent]]) -> None:
+    """On the event loop: a step's events into their streams' queues, in order."""
+    for stream, event in batch:
+        stream.queue.put_nowait(event)

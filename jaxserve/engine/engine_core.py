@@ -37,7 +37,8 @@ from jaxserve.core.config import EngineConfig, ModelConfig
 from jaxserve.core.request import Request, TokenEvent
 from jaxserve.core.step_plan import StepPlan, sampled_tokens
 from jaxserve.engine.page_allocator import PageAllocator
-from jaxserve.engine.scheduler import Scheduler, SchedulerStats
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler_stats import SchedulerStats
 from jaxserve.engine.step_clock import StepTimings
 from jaxserve.model.weights import Weights
 from jaxserve.parallel.layouts import layout_rules
@@ -81,6 +82,8 @@ class EngineCore:
                                        engine_cfg.enable_prefix_caching, self.runner.num_host_pages)
         self.scheduler = Scheduler(engine_cfg, self.allocator)
         self.scheduler.swap_costs = self.runner.swap_costs
+        if self.runner.lora is not None:
+            self.scheduler.lora_resident = self.runner.lora.resident
         self._rng = random.Random(engine_cfg.seed)
         self.timings = StepTimings()
         self._dispatched = self._completed = 0.0  # perf_counter() of the last forward launch / step completion
@@ -89,6 +92,9 @@ class EngineCore:
         self.num_sync_steps = 0        # async scheduling: steps finished before planning the next (penalties,
                                        # speculation)
         self._inflight: _InFlight | None = None
+        # the last step planned nothing and nothing is in flight, though work waits (an adapter
+        # being read from disk): the caller may pause briefly instead of spinning
+        self.stalled = False
         self._last_plan: StepPlan | None = None  # the last step dispatched (an EAGLE-3 head proposes from it)
         self._lora_lock = threading.Lock()  # adapter name checks vs run-time unloads
         self._kv_jobs: list[Callable[[], None]] = []  # PD page exports/imports, run on the engine thread
@@ -279,6 +285,7 @@ class EngineCore:
         if not self.engine_cfg.async_scheduling:
             plan = self._schedule()
             events = list(plan.finished)
+            self.stalled = not plan.chunks
             if plan.chunks:
                 events += self._complete(self._dispatch(plan, None))
             return events
@@ -302,6 +309,7 @@ class EngineCore:
             self._inflight = self._dispatch(plan, prev.plan if prev is not None else None)
         if prev is not None:
             events += self._complete(prev)
+        self.stalled = not plan.chunks and self._inflight is None
         return events
 
     def _schedule(self) -> StepPlan:

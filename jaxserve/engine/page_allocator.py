@@ -128,20 +128,32 @@ class PageAllocator:
     def is_cached(self, page: int) -> bool:
         return page in self._page_key
 
-    def match_prefix(self, token_ids: Seq[int], namespace: str) -> tuple[list[int], int]:
-        """Longest run of cached full pages that prefixes `token_ids` in `namespace`.
+    def prefix_keys(self, token_ids: Seq[int], namespace: str) -> list[bytes]:
+        """The prefix-cache keys of the full pages of `token_ids` before its last token (what
+        `match_prefix` looks up); a caller may keep them while the tokens do not change."""
+        if not self.enable_prefix_caching or len(token_ids) < 2:
+            return []
+        ps = self.page_size
+        key = namespace_key(namespace)
+        keys = []
+        for i in range((len(token_ids) - 1) // ps):
+            key = page_key(key, token_ids[i * ps:(i + 1) * ps])
+            keys.append(key)
+        return keys
+
+    def match_prefix(self, token_ids: Seq[int], namespace: str,
+                     keys: Seq[bytes] | None = None) -> tuple[list[int], int]:
+        """Longest run of cached full pages that prefixes `token_ids` in `namespace` (`keys`: its
+        `prefix_keys`, when the caller kept them: no hashing then).
 
         Never covers the last token: it must be computed so the step has logits to sample from.
         Pure lookup: takes no references and counts nothing (see `open`). A page found only in the
         host tier is listed as `host_page(index)` (negative).
         """
-        if not self.enable_prefix_caching or len(token_ids) < 2:
-            return [], 0
-        ps = self.page_size
-        key = namespace_key(namespace)
+        if keys is None:
+            keys = self.prefix_keys(token_ids, namespace)
         pages: list[int] = []
-        for i in range((len(token_ids) - 1) // ps):
-            key = page_key(key, token_ids[i * ps:(i + 1) * ps])
+        for key in keys:
             page = self._cached.get(key)
             if page is None:
                 host = self.host.lookup(key)
@@ -149,7 +161,7 @@ class PageAllocator:
                     break
                 page = host_page(host)
             pages.append(page)
-        return pages, len(pages) * ps
+        return pages, len(pages) * self.page_size
 
     # ---- sequence lifetime ---------------------------------------------------------------------
 
@@ -187,28 +199,34 @@ class PageAllocator:
         """Fresh pages `grow(seq_id, num_tokens, write_start)` would take (new pages plus private
         copies of shared pages that the write [write_start, num_tokens) touches)."""
         table = self._tables[seq_id]
-        new = max(0, self.pages_needed(num_tokens) - len(table))
-        cow = sum(1 for i in range(write_start // self.page_size, min(len(table), self.pages_needed(num_tokens)))
-                  if self._ref[table[i]] > 1)
-        return new + cow
+        needed, have = -(-num_tokens // self.page_size), len(table)
+        ref = self._ref
+        cow = 0
+        for i in range(write_start // self.page_size, min(have, needed)):
+            if ref[table[i]] > 1:
+                cow += 1
+        return cow + (needed - have if needed > have else 0)
 
     def grow(self, seq_id: str, num_tokens: int, write_start: int) -> list[tuple[int, int]]:
         """Makes `seq_id`'s table cover `num_tokens` tokens, with a private page under every position
         in [write_start, num_tokens). Returns the (src, dst) copies the device must do first.
         Raises NoFreePagesError, changing nothing, when the pool cannot cover it."""
         need = self.pages_to_grow(seq_id, num_tokens, write_start)
+        if not need:  # the usual decode: its page is its own and covers the token
+            return []
         if need > self.num_free_pages:
             raise NoFreePagesError(f"sequence {seq_id!r} needs {need} pages, {self.num_free_pages} free")
         table = self._tables[seq_id]
+        needed = -(-num_tokens // self.page_size)
         copies = []
-        for i in range(write_start // self.page_size, min(len(table), self.pages_needed(num_tokens))):
+        for i in range(write_start // self.page_size, min(len(table), needed)):
             src = table[i]
             if self._ref[src] > 1:  # shared (after a fork): copy on write
                 dst = self._pop_fresh()
                 self._ref[src] -= 1
                 table[i] = dst
                 copies.append((src, dst))
-        while len(table) < self.pages_needed(num_tokens):
+        while len(table) < needed:
             table.append(self._pop_fresh())
         return copies
 

@@ -42,13 +42,14 @@ import collections
 import dataclasses
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from jaxserve.core.request import FinishReason, Sequence, SequenceStatus, TokenEvent
 from jaxserve.core.step_plan import PENDING_TOKEN, SampledToken, ScheduledChunk, StepPlan, SwapCosts
 from jaxserve.engine.admission import Admission
 from jaxserve.engine.inbox import Inbox
 from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.engine.scheduler_stats import SchedulerStats
 from jaxserve.lora.slot_table import SlotTable
 from jaxserve.speculative.drafting import Drafting
 from jaxserve.speculative.stats import SpecDecodeStats
@@ -57,28 +58,6 @@ logger = logging.getLogger("jaxserve.engine.scheduler")
 
 _CONFIG_FIELDS = ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                   "enable_prefix_caching", "scheduling_policy", "model_id")
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_free_pages: int
-    num_total_pages: int
-    prefix_cache_queries: int   # prompt tokens looked up at admission
-    prefix_cache_hits: int      # of those, tokens served from the cache
-    num_preemptions: int
-    lora_running: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter -> running sequences
-    lora_waiting: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter -> waiting sequences
-    lora_slot_loads: int = 0    # adapters loaded into a device slot
-    # host KV tier
-    num_host_pages: int = 0
-    num_host_pages_used: int = 0
-    host_hit_tokens: int = 0    # prompt tokens whose pages came back from the host tier (swap-ins included)
-    num_demotions: int = 0      # pages moved device -> host
-    num_promotions: int = 0     # pages moved host -> device
-    num_swap_preemptions: int = 0  # preemptions that kept the pages (swap) rather than recompute them
-    num_swapped_in_pages: int = 0  # pages a resumed preempted sequence got back from the host tier
 
 
 @dataclasses.dataclass
@@ -120,7 +99,9 @@ class Scheduler(Admission, Inbox):
         self._order: dict[str, int] = {}      # arrival counter: tie-break for equal arrival times
         self._next_order = 0
         self._seqs: dict[str, Sequence] = {}
-        self._waiting: list[list[Sequence]] = []  # admission units; [leader, pending siblings] or [seq]
+        # admission units ([leader, pending siblings] or [seq]) in admission order once sorted
+        self._waiting: collections.deque[list[Sequence]] = collections.deque()
+        self._waiting_unsorted = False  # something joined out of order: _admit sorts first
         self._running: list[Sequence] = []
         self._num_preemptions = 0
         self._num_swap_preemptions = 0
@@ -132,10 +113,14 @@ class Scheduler(Admission, Inbox):
         self.limited: str | None = None  # what step_limit held back in the last plan: "tokens" | "seqs"
         self.num_discarded_tokens = 0  # sampled after their sequence had finished (async scheduling)
         self._outstanding = 0  # plans with chunks scheduled and not yet updated
+        self._released: list[Sequence] = []  # left the batch since the last plan with chunks (StepPlan.released)
         spec = getattr(cfg, "speculative_config", None)
         self.drafting = Drafting(spec) if spec is not None else None
         self.lora_slots = SlotTable(cfg.max_loras) if getattr(cfg, "enable_lora", False) else None
         self._lora_unloaded: list[str] = []  # adapters unloaded at run time: their slots are freed in schedule()
+        # multi-LoRA: whether an adapter can be loaded into a slot without reading the disk (the
+        # runner's host cache; asking starts the read on a worker thread). The engine sets it.
+        self.lora_resident: Callable[[str], bool] = lambda name: True
 
     # ---- entry points (any thread) -------------------------------------------------------------
 
@@ -190,22 +175,19 @@ class Scheduler(Admission, Inbox):
             unloaded, self._lora_unloaded = self._lora_unloaded, []
         for name in unloaded:
             self.lora_slots.forget(name)
-        self._waiting.extend(incoming)
+        if incoming:
+            keys = [self._unit_key(u) for u in incoming]
+            if keys != sorted(keys) or self._waiting and self._unit_key(self._waiting[-1]) > keys[0]:
+                self._waiting_unsorted = True
+            self._waiting.extend(incoming)
         for request_id, sample_index, is_abort in removals:
             self._remove(request_id, sample_index, is_abort, st.plan)
         st.speculate = self.speculation_active()
 
-        for decode_phase in (True, False):
-            for seq in list(self._running):
-                if st.budget == 0:
-                    break
-                if seq.status is not SequenceStatus.RUNNING or seq.fork_pending or seq.seq_id in st.scheduled:
-                    continue
-                if seq.num_inflight and seq.num_tokens + seq.num_inflight >= seq.max_len:
-                    continue  # its in-flight token ends it by length: nothing more to compute
-                self._maybe_fork(seq)
-                if (seq.target_len - seq.num_computed_tokens == 1) == decode_phase:
-                    self._schedule_seq(seq, st, allow_preempt=True)
+        # decodes first, then prefill continuations: one pass over the running sequences, the
+        # second only over those the first did not schedule
+        rest = self._schedule_running(list(self._running), st, decode_phase=True)
+        self._schedule_running(rest, st, decode_phase=False)
         if not st.preempted:
             self._admit(st)
         self._note_token_limit(st.budget)
@@ -222,6 +204,8 @@ class Scheduler(Admission, Inbox):
             if chunk.sample:
                 seq.num_inflight += 1
         self._outstanding += bool(plan.chunks)
+        if plan.chunks:
+            plan.released, self._released = self._released, []
         if logger.isEnabledFor(logging.DEBUG):
             decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1 + len(c.draft_token_ids))
             drafts = sum(len(c.draft_token_ids) for c in plan.chunks)
@@ -243,18 +227,23 @@ class Scheduler(Admission, Inbox):
         a token of a sequence preempted meanwhile is appended and emitted as usual."""
         if len(sampled) != plan.num_samples:
             raise ValueError(f"expected {plan.num_samples} sampled tokens for this plan, got {len(sampled)}")
-        rows = [c for c in plan.chunks for _ in range(c.num_sample_rows)]
-        for chunk, tok in zip(rows, sampled):
-            if tok.seq_id != chunk.seq_id:
-                raise ValueError(f"sampled token for {tok.seq_id!r} where the plan has {chunk.seq_id!r}")
-        if any(c.seq_id not in plan.owners for c in plan.chunks):
+        owners = plan.owners
+        if len(owners) != len(plan.chunks) or any(c.seq_id not in owners for c in plan.chunks):
             raise ValueError("the plan was not made by this scheduler's schedule()")
+        row = 0
+        for chunk in plan.chunks:  # all checked before anything changes
+            for tok in sampled[row:row + chunk.num_sample_rows]:
+                if tok.seq_id != chunk.seq_id:
+                    raise ValueError(f"sampled token for {tok.seq_id!r} where the plan has {chunk.seq_id!r}")
+            row += chunk.num_sample_rows
         self._outstanding -= bool(plan.chunks)
         events: list[TokenEvent] = []
-        it = iter(sampled)
+        row = 0
         for chunk in plan.chunks:
-            seq = plan.owners[chunk.seq_id]
-            toks = [next(it) for _ in range(chunk.num_sample_rows)]
+            k = chunk.num_sample_rows
+            seq = owners[chunk.seq_id]
+            toks = sampled[row:row + k]
+            row += k
             if toks:
                 seq.num_inflight -= 1
             drafts = chunk.draft_token_ids
@@ -269,7 +258,7 @@ class Scheduler(Admission, Inbox):
             if not toks:
                 self._commit(seq)
                 continue
-            for tok in toks[:accepted + 1]:
+            for tok in toks[:accepted + 1] if drafts else toks:
                 seq.output_token_ids.append(tok.token_id)
                 if seq.guide is not None:
                     seq.guide.accept(tok.token_id)
@@ -294,6 +283,26 @@ class Scheduler(Admission, Inbox):
         return self.drafting.stats if self.drafting is not None else None
 
     # ---- admission and limits ------------------------------------------------------------------
+
+    def _schedule_running(self, seqs: list[Sequence], st: _Step, decode_phase: bool) -> list[Sequence]:
+        """Schedules the sequences of `seqs` whose next chunk is a decode (decode_phase) or a
+        prefill continuation (not), in order, while the budget lasts; returns the ones it did not
+        schedule (a later pass looks at them again: a fork or a preemption may have changed them)."""
+        rest = []
+        for i, seq in enumerate(seqs):
+            if st.budget == 0:
+                return rest + seqs[i:]
+            if seq.status is not SequenceStatus.RUNNING or seq.fork_pending or seq.seq_id in st.scheduled:
+                rest.append(seq)
+                continue
+            if seq.num_inflight and seq.num_tokens + seq.num_inflight >= seq.max_len:
+                continue  # its in-flight token ends it by length: nothing more to compute
+            self._maybe_fork(seq)
+            if (seq.target_len - seq.num_computed_tokens == 1) == decode_phase:
+                self._schedule_seq(seq, st, allow_preempt=True)
+            else:
+                rest.append(seq)
+        return rest
 
     def _schedule_seq(self, seq: Sequence, st: _Step, allow_preempt: bool) -> None:
         """Schedules seq's next chunk within the budget, growing its pages; when the pool is dry a
@@ -327,8 +336,8 @@ class Scheduler(Admission, Inbox):
             token_ids.append(PENDING_TOKEN)
         chunk = ScheduledChunk(
             seq_id=seq.seq_id, request=seq.request, sample_index=seq.sample_index,
-            token_ids=token_ids + drafts, start_pos=start,
-            page_table=list(alloc.page_table(seq.seq_id)), sample=stop == seq.num_tokens + seq.num_inflight,
+            token_ids=token_ids + drafts if drafts else token_ids, start_pos=start,
+            page_table=alloc.page_table(seq.seq_id), sample=stop == seq.num_tokens + seq.num_inflight,
             output_token_ids=seq.output_token_ids, lora_slot=seq.lora_slot, draft_token_ids=drafts)
         st.plan.chunks.append(chunk)
         st.plan.copies.extend(copies)
@@ -336,19 +345,8 @@ class Scheduler(Admission, Inbox):
         st.budget -= length
 
     def set_drafts(self, plan: StepPlan, proposals: list[list[int]]) -> None:
-        """Fills the DRAFT_SLOTs of the plan's chunks (in plan order) with the draft model's
-        proposals, cut where a grammar refuses one; slots left over stop being computed."""
-        chunks = [c for c in plan.chunks if c.draft_token_ids]
-        if len(chunks) != len(proposals):
-            raise ValueError(f"{len(proposals)} proposals for {len(chunks)} chunks with draft slots")
-        for chunk, drafts in zip(chunks, proposals):
-            seq = plan.owners[chunk.seq_id]
-            slots = len(chunk.draft_token_ids)
-            drafts = Drafting.grammar_cut(seq, list(drafts[:slots]))
-            chunk.token_ids = chunk.token_ids[:len(chunk.token_ids) - slots] + drafts
-            chunk.draft_token_ids = drafts
-            seq.num_computed_tokens -= slots - len(drafts)
-            plan.num_tokens -= slots - len(drafts)
+        """Fills the DRAFT_SLOTs of the plan's chunks with the draft's proposals (Drafting.fill_slots)."""
+        Drafting.fill_slots(plan, proposals)
 
     # ---- finishing -----------------------------------------------------------------------------
 
@@ -381,10 +379,11 @@ class Scheduler(Admission, Inbox):
         if self.allocator.has_sequence(seq.seq_id):
             self.allocator.free(seq.seq_id)
         self._release_lora(seq)
+        self._released.append(seq)
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:  # a preempted sequence's in-flight token stopped it
-            self._waiting = [u for u in ([s for s in unit if s is not seq] for unit in self._waiting) if u]
+            self._waiting = collections.deque(u for u in ([s for s in unit if s is not seq] for unit in self._waiting) if u)
         seq.status = SequenceStatus.FINISHED
         if self._seqs.get(seq.seq_id) is seq:
             del self._seqs[seq.seq_id]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import jax
@@ -78,6 +79,8 @@ class DeviceSlots:
         self._put = put
         self._host: collections.OrderedDict[str, LoraAdapter] = collections.OrderedDict()
         self._host_limit = engine_cfg.max_cpu_loras or engine_cfg.max_loras
+        self._reading: dict[str, Future[LoraAdapter]] = {}  # adapter -> its read on the worker thread
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-lora-read")
         self.adapters = {}  # name -> (rank, modules): what each registered adapter is, for logs and listings
         for name, path in self.paths.items():
             adapter = self._read(name)
@@ -98,18 +101,43 @@ class DeviceSlots:
         del self.adapters[name]
 
     def _read(self, name: str) -> LoraAdapter:
+        """Engine thread: the adapter's host copy, read from disk here only when `resident` did not
+        bring it in first."""
         adapter = self._host.get(name)
         if adapter is None:
-            adapter = load_adapter(self.paths[name], self.checkpoint_cfg, self.max_rank, name)
-            if self._kv_repeat > 1:  # b [r, Hkv, hd] of k/v: each KV head repeated as the projections are
-                adapter = dataclasses.replace(adapter, factors={
-                    key: (a, np.repeat(b, self._kv_repeat, axis=1) if key[1] in ("k_proj", "v_proj") else b)
-                    for key, (a, b) in adapter.factors.items()})
-            self._host[name] = adapter
-            while len(self._host) > self._host_limit:
-                self._host.popitem(last=False)
+            adapter = self._keep(name, self._read_disk(name))
         self._host.move_to_end(name)
         return adapter
+
+    def _read_disk(self, name: str) -> LoraAdapter:
+        adapter = load_adapter(self.paths[name], self.checkpoint_cfg, self.max_rank, name)
+        if self._kv_repeat > 1:  # b [r, Hkv, hd] of k/v: each KV head repeated as the projections are
+            adapter = dataclasses.replace(adapter, factors={
+                key: (a, np.repeat(b, self._kv_repeat, axis=1) if key[1] in ("k_proj", "v_proj") else b)
+                for key, (a, b) in adapter.factors.items()})
+        return adapter
+
+    def _keep(self, name: str, adapter: LoraAdapter) -> LoraAdapter:
+        self._host[name] = adapter
+        while len(self._host) > self._host_limit:
+            self._host.popitem(last=False)
+        return adapter
+
+    def resident(self, name: str) -> bool:
+        """Engine thread, at admission: whether `name` can go into a device slot without a disk
+        read. If not, its read starts on a worker thread (False until it is done), so the steps
+        of the running sequences never wait for a disk; the request is admitted once it is in."""
+        if name in self._host:
+            return True
+        reading = self._reading.get(name)
+        if reading is None:
+            self._reading[name] = self._reader.submit(self._read_disk, name)
+            return False
+        if not reading.done():
+            return False
+        del self._reading[name]
+        self._keep(name, reading.result())  # a failed read raises here, as a read in the step did
+        return True
 
     def load(self, slot: int, name: str) -> None:
         """Writes adapter `name` into device slot `slot` (ordered after every step dispatched before)."""

@@ -32,7 +32,7 @@ class SamplingRow(NamedTuple):
     constrained: bool = False                    # a grammar's token bitmask applies to this row
 
 
-def _seed_words(seed: int) -> tuple[int, int]:
+def seed_words(seed: int) -> tuple[int, int]:
     """(hi, lo) uint32 words of a 64-bit two's-complement seed, as threefry_seed splits it."""
     u = seed & 0xFFFF_FFFF_FFFF_FFFF
     return u >> 32, u & 0xFFFF_FFFF
@@ -112,7 +112,7 @@ class SamplingTensors(NamedTuple):
         temperature, top_p, min_p = f32(PADDING_TEMPERATURE), f32(1.0), f32(0.0)
         rep, presence, frequency = f32(1.0), f32(0.0), f32(0.0)
         top_k = np.zeros(num_rows, np.int32)
-        seed_words = np.zeros((num_rows, 2), np.uint32)
+        words = np.zeros((num_rows, 2), np.uint32)
         num_out = np.zeros(num_rows, np.int32)
         num_logprobs = np.full(num_rows, -1, np.int32)
         constrained = np.zeros(num_rows, bool)
@@ -126,7 +126,7 @@ class SamplingTensors(NamedTuple):
             top_p[i], min_p[i] = p.top_p, p.min_p
             rep[i], presence[i], frequency[i] = (p.repetition_penalty, p.presence_penalty,
                                                  p.frequency_penalty)
-            seed_words[i] = _seed_words(row.seed)
+            words[i] = seed_words(row.seed)
             num_out[i] = len(row.output_token_ids)
             num_logprobs[i] = -1 if p.logprobs is None else p.logprobs
             constrained[i] = row.constrained
@@ -142,5 +142,5 @@ class SamplingTensors(NamedTuple):
             n = ids.size
             table_ids[i, :n], table_counts[i, :n] = ids, counts
             table_seen[i, :n], table_bias[i, :n] = seen, biases
-        return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, seed_words, num_out,
+        return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, words, num_out,
                    num_logprobs, table_ids, table_counts, table_seen, table_bias, constrained)

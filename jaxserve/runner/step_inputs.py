@@ -24,8 +24,10 @@ import numpy as np
 
 from jaxserve.core.buckets import choose_bucket, choose_logits_rows, declared_buckets
 from jaxserve.core.config import EngineConfig
+from jaxserve.runner.batch_rows import BatchRows
 from jaxserve.runner.sampler import bitmask_words
-from jaxserve.runner.sampling_tensors import SamplingRow, SamplingTensors
+from jaxserve.runner.sampling_step import sampling_step
+from jaxserve.runner.sampling_tensors import SamplingTensors
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.step_plan import PENDING_TOKEN, ScheduledChunk, StepPlan
 from jaxserve.structured.guide import fill_bitmask
@@ -70,6 +72,7 @@ class StepInputBuilder:
         self.vocab_size = vocab_size
         self.buckets = declared_buckets(cfg)
         self.pad_slot = num_pages * cfg.page_size
+        self.rows = BatchRows(cfg.max_pages_per_seq, cfg.page_size, vocab_size)
 
     def build(self, plan: StepPlan, prev_plan: StepPlan | None = None) -> StepInputs:
         """Every request arrives seeded (the engine draws a seed when the user gave none); sample i
@@ -77,64 +80,86 @@ class StepInputBuilder:
 
         `prev_plan` is the step dispatched just before this one; it is needed when `plan` has
         PENDING_TOKEN decodes (their ids are that step's sampled ids). Raises ValueError when a
-        pending token has no row there, or belongs to a row that needs output ids (penalties)."""
+        pending token has no row there, or belongs to a row that needs output ids (penalties).
+
+        The sequences' rows persist across steps (batch_rows.py): a plan's chunks only refresh
+        them; per chunk a few list operations, every array a vectorized gather."""
+        rows = self.rows
+        rows.release(plan.released)
         chunks = plan.chunks
-        t_bucket, s_bucket = choose_bucket(self.buckets, plan.num_tokens, len(chunks))
+        nc = len(chunks)
+        t_bucket, s_bucket = choose_bucket(self.buckets, plan.num_tokens, nc)
         l_bucket = choose_logits_rows(self.cfg, t_bucket, s_bucket, plan.num_samples)
+        owners = plan.owners
+        slot_of, lens, starts, flat = [], [], [], []
+        pending: list[tuple[int, ScheduledChunk]] = []
+        sampling: list[tuple[int, int, ScheduledChunk]] = []  # (token row after the chunk, slot, chunk)
+        t = 0
+        for c in chunks:
+            ids, start = c.token_ids, c.start_pos
+            n = len(ids)
+            slot = rows.slot(owners[c.seq_id], c.page_table, start)
+            slot_of.append(slot)
+            lens.append(n)
+            starts.append(start)
+            flat += ids
+            t += n
+            if ids[-1] == PENDING_TOKEN:  # only ever a 1-token decode
+                pending.append((t - 1, c))
+            if c.sample:
+                sampling.append((t, slot, c))
+        slot_arr = np.array(slot_of, np.int64)
+        len_arr = np.array(lens, np.int64)
         ps = self.cfg.page_size
         token_ids = np.zeros(t_bucket, np.int32)
-        positions = np.zeros(t_bucket, np.int32)
-        token_seq = np.zeros(t_bucket, np.int32)
-        slots = np.full(t_bucket, self.pad_slot, np.int32)
-        cu = np.zeros(s_bucket + 1, np.int32)
-        seq_lens = np.zeros(s_bucket, np.int32)
-        page_tables = np.zeros((s_bucket, self.cfg.max_pages_per_seq), np.int32)
-        logits_index = np.zeros(l_bucket, np.int32)
+        token_ids[:t] = flat
         prev_row = np.full(t_bucket, -1, np.int32)
-        lora_slot = np.full(t_bucket, -1, np.int32) if self.cfg.enable_lora else None
-        shift = EagleShift(np.zeros(t_bucket, np.int32), np.full(t_bucket, -1, np.int32)) if self.eagle else None
-        prev_spans: dict[str, tuple[int, int, int]] | None = None
-        rows: list[SamplingRow] = []
-        t = 0
-        for i, c in enumerate(chunks):
-            n = len(c.token_ids)
-            pos = np.arange(c.start_pos, c.start_pos + n, dtype=np.int32)
-            table = np.asarray(c.page_table, np.int32)
-            token_ids[t:t + n] = c.token_ids
-            if lora_slot is not None:
-                lora_slot[t:t + n] = c.lora_slot
-            if c.token_ids[-1] == PENDING_TOKEN:  # only ever a 1-token decode
-                if prev_spans is None:
-                    prev_spans = sampler_spans(prev_plan)
-                # a chunk with drafts emits an accepted run: the engine completes its step before planning on it
-                row = row_that_sampled(prev_spans, c) if prev_spans.get(c.seq_id, (0, 0, 0))[2] == 1 else None
-                if row is None:
-                    raise ValueError(f"{c.seq_id!r} decodes a pending token that the previous step did not sample")
-                token_ids[t + n - 1] = 0
-                prev_row[t + n - 1] = row
-            positions[t:t + n] = pos
-            token_seq[t:t + n] = i
-            slots[t:t + n] = table[pos // ps] * ps + pos % ps
-            page_tables[i, : len(table)] = table
-            seq_lens[i] = c.start_pos + n
-            if shift is not None:
-                _shift_chunk(shift, t, c, plan, len(rows))
-            t += n
-            cu[i + 1] = t
-            if c.sample:
-                outputs = _outputs_before_sample(c)
-                for j in range(c.num_sample_rows):  # the last token, then each draft
-                    logits_index[len(rows)] = t - c.num_sample_rows + j
-                    rows.append(SamplingRow(c.request.params, c.request.params.seed + c.sample_index,
-                                            c.request.prompt_token_ids,
-                                            [*outputs, *c.draft_token_ids[:j]] if j else outputs,
-                                            c.request.eos_token_ids, c.request.grammar is not None))
-        cu[len(chunks) + 1:] = t
+        if pending:
+            self._pending_rows(pending, prev_plan, token_ids, prev_row)
+        seq_of_token = np.repeat(np.arange(nc), len_arr)                # [t]
+        cu = np.zeros(s_bucket + 1, np.int32)
+        np.cumsum(len_arr, out=cu[1:nc + 1])
+        cu[nc + 1:] = t
+        token_seq = np.zeros(t_bucket, np.int32)
+        token_seq[:t] = seq_of_token
+        pos = np.array(starts, np.int64)[seq_of_token] + np.arange(t) - cu[seq_of_token]
+        positions = np.zeros(t_bucket, np.int32)
+        positions[:t] = pos
+        page_tables = np.zeros((s_bucket, self.cfg.max_pages_per_seq), np.int32)
+        page_tables[:nc] = rows.pages[slot_arr]
+        slots = np.full(t_bucket, self.pad_slot, np.int32)
+        slots[:t] = page_tables[seq_of_token, pos // ps] * ps + pos % ps
+        seq_lens = np.zeros(s_bucket, np.int32)
+        seq_lens[:nc] = cu[1:nc + 1] - cu[:nc] + np.array(starts, np.int64)
+        lora_slot = None
+        if self.cfg.enable_lora:
+            lora_slot = np.full(t_bucket, -1, np.int32)
+            lora_slot[:t] = np.array([c.lora_slot for c in chunks], np.int32)[seq_of_token]
+        shift = None
+        if self.eagle:
+            shift = EagleShift(np.zeros(t_bucket, np.int32), np.full(t_bucket, -1, np.int32))
+            row = 0
+            for i, c in enumerate(chunks):
+                _shift_chunk(shift, int(cu[i]), c, plan, row)
+                row += c.num_sample_rows
+        logits_index, tensors = sampling_step(rows, sampling, l_bucket)
         arrays = StepArrays(token_ids, positions, token_seq, slots, cu, seq_lens, page_tables,
-                            np.array([len(chunks)], np.int32), logits_index, prev_row, lora_slot)
-        sampling = SamplingTensors.from_rows(rows, l_bucket, self.vocab_size)
+                            np.array([nc], np.int32), logits_index, prev_row, lora_slot)
         copies = np.asarray(plan.copies, np.int32).reshape(-1, 2)
-        return StepInputs(arrays, sampling, len(rows), copies, shift)
+        return StepInputs(arrays, tensors, plan.num_samples, copies, shift)
+
+    @staticmethod
+    def _pending_rows(pending: list[tuple[int, ScheduledChunk]], prev_plan: StepPlan | None,
+                      token_ids: np.ndarray, prev_row: np.ndarray) -> None:
+        """Token rows whose id is the previous step's sample: read on the device from its row."""
+        spans = sampler_spans(prev_plan)
+        for t, c in pending:
+            # a chunk with drafts emits an accepted run: the engine completes its step before planning on it
+            row = row_that_sampled(spans, c) if spans.get(c.seq_id, (0, 0, 0))[2] == 1 else None
+            if row is None:
+                raise ValueError(f"{c.seq_id!r} decodes a pending token that the previous step did not sample")
+            token_ids[t] = 0
+            prev_row[t] = row
 
 
 def _shift_chunk(shift: EagleShift, t: int, c: ScheduledChunk, plan: StepPlan, first_row: int) -> None:

@@ -22,6 +22,7 @@ from jaxserve.speculative.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from jaxserve.core.request import Sequence
+    from jaxserve.core.step_plan import StepPlan
 
 DRAFT_SLOT = -2  # in ScheduledChunk.draft_token_ids: a draft the draft model proposes before the step
 MISSES_BEFORE_BACKOFF = 2
@@ -61,6 +62,22 @@ class Drafting:
         if not drafts:
             self.outcome(seq, hit=False)
         return drafts
+
+    @staticmethod
+    def fill_slots(plan: "StepPlan", proposals: list[list[int]]) -> None:
+        """Fills the DRAFT_SLOTs of the plan's chunks (in plan order) with the draft model's
+        proposals, cut where a grammar refuses one; slots left over stop being computed."""
+        chunks = [c for c in plan.chunks if c.draft_token_ids]
+        if len(chunks) != len(proposals):
+            raise ValueError(f"{len(proposals)} proposals for {len(chunks)} chunks with draft slots")
+        for chunk, drafts in zip(chunks, proposals):
+            seq = plan.owners[chunk.seq_id]
+            slots = len(chunk.draft_token_ids)
+            drafts = Drafting.grammar_cut(seq, list(drafts[:slots]))
+            chunk.token_ids = chunk.token_ids[:len(chunk.token_ids) - slots] + drafts
+            chunk.draft_token_ids = drafts
+            seq.num_computed_tokens -= slots - len(drafts)
+            plan.num_tokens -= slots - len(drafts)
 
     @staticmethod
     def grammar_cut(seq: "Sequence", drafts: list[int]) -> list[int]:

@@ -159,3 +159,48 @@ def test_adapters_with_kv_heads_duplicated_over_a_four_way_model_axis(setup):
     assert wide.runner.model_cfg.num_kv_heads == 4 and cfg.num_kv_heads == 2
     names = [*ADAPTERS, None]
     _assert_outputs(run_all(wide, _requests("kvdup", names)), "kvdup", names, expected)
+
+
+def test_an_adapter_read_from_disk_never_holds_up_the_running_steps(setup, tmp_path):
+    """max_cpu_loras=2 of 3 adapters: one no longer in host memory is read on a worker thread while the
+    running sequences keep stepping (the read is held open until they have stepped 3 times), then
+    its request is admitted and gets its merged model's tokens."""
+    import threading
+
+    from jaxserve.runner import lora_slots
+
+    core, expected, base_dir = setup
+    cfg, weights = load_model(base_dir, make_mesh(1, 1))
+    core = make_core(cfg, weights, enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=2,
+                     lora_modules=core.engine_cfg.lora_modules)
+    gate, readers = threading.Event(), []
+    real = lora_slots.load_adapter
+
+    def slow_read(*args, **kwargs):
+        readers.append(threading.current_thread().name)
+        if args[-1] == "a2":
+            assert gate.wait(30), "the running steps did not go on while the adapter was read"
+        return real(*args, **kwargs)
+
+    lora_slots.load_adapter = slow_read
+    try:
+        core.add_request(Request("first-a1", PROMPTS[0], greedy(NEW), lora_name="a1"))
+        while not core.runner.lora.num_loads:
+            core.step()
+        core.add_request(Request("second-a2", PROMPTS[1], greedy(NEW), lora_name="a2"))
+        out: dict[str, list[int]] = {}
+        steps = 0
+        while core.has_work():
+            events = core.step()
+            steps += 1
+            if steps == 3:
+                assert any(e.request_id == "first-a1" for e in events) or out.get("first-a1")
+                gate.set()
+            for e in events:
+                if e.token_id is not None:
+                    out.setdefault(e.request_id, []).append(e.token_id)
+    finally:
+        lora_slots.load_adapter = real
+        gate.set()
+    assert out["first-a1"] == expected["a1"][0] and out["second-a2"] == expected["a2"][1]
+    assert len(readers) == 2 and all(r.startswith("jaxserve-lora-read") for r in readers)  # a1's, a2's

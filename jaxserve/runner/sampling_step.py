@@ -1,0 +1,101 @@
+"""A step's sampler inputs gathered from the persistent rows (batch_rows.py): which token rows
+sample (logits_index) and their SamplingTensors, equal to SamplingTensors.from_rows over the same
+rows' whole histories. A chunk with d drafts samples d + 1 rows; draft row j samples as if the
+drafts before it had been emitted, so its output count, min_tokens ban and penalty table include
+them (patched into the step's copy of the row, never into the row itself)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.core.buckets import history_bucket
+from jaxserve.core.step_plan import ScheduledChunk
+from jaxserve.runner.batch_rows import BatchRows
+from jaxserve.runner.sampling_tensors import SamplingTensors
+
+
+def sampling_step(rows: BatchRows, sampling: list[tuple[int, int, ScheduledChunk]],
+                  num_rows: int) -> tuple[np.ndarray, SamplingTensors]:
+    """sampling: (token row just past the chunk, its row slot, chunk) of each sampling chunk in plan
+    order. Returns ([num_rows] int32 logits_index, SamplingTensors padded to num_rows)."""
+    logits_index = np.zeros(num_rows, np.int32)
+    slots: list[int] = []
+    num_out: list[int] = []
+    token_row: list[int] = []
+    tables: list[tuple[int, int, int, list[int]]] = []  # (sample row, slot, outputs before it, drafts before it)
+    penalized = rows.penalized
+    for end, slot, c in sampling:
+        k = 1 + len(c.draft_token_ids)
+        count = c.start_pos + len(c.token_ids) - k + 1 - len(c.request.prompt_token_ids)
+        r = len(slots)
+        if penalized[slot]:
+            if rows.penalty[slot].track and count > len(c.output_token_ids):
+                raise ValueError(f"{c.seq_id!r} samples with penalties over {count - len(c.output_token_ids)} "
+                                 "output token(s) still in flight; the engine must finish the previous step first")
+            rows.apply_outputs(slot, c.output_token_ids, count)
+            tables.extend((r + j, slot, count + j, c.draft_token_ids[:j]) for j in range(k)
+                          if rows.table_active(slot, count + j))
+        if k == 1:
+            slots.append(slot)
+            num_out.append(count)
+            token_row.append(end - 1)
+        else:
+            slots.extend([slot] * k)
+            num_out.extend(range(count, count + k))
+            token_row.extend(range(end - k, end))
+    n = len(slots)
+    if n > num_rows:
+        raise ValueError(f"{n} sampling rows do not fit the row bucket {num_rows}")
+    logits_index[:n] = token_row
+    idx = np.array(slots, np.int64)
+    padded = {}
+    for name, (dtype, fill) in rows.PARAMS.items():
+        a = np.full(num_rows, fill, dtype)
+        a[:n] = rows.params[name][idx]
+        padded[name] = a
+    words = np.zeros((num_rows, 2), np.uint32)
+    words[:n] = rows.seed_words[idx]
+    outs = np.zeros(num_rows, np.int32)
+    outs[:n] = num_out
+    ids, counts, seen, bias = _tables(rows, tables, num_rows)
+    return logits_index, SamplingTensors(
+        padded["temperature"], padded["top_k"], padded["top_p"], padded["min_p"], padded["repetition_penalty"],
+        padded["presence_penalty"], padded["frequency_penalty"], words, outs, padded["num_logprobs"],
+        ids, counts, seen, bias, padded["constrained"])
+
+
+def _tables(rows: BatchRows, tables: list[tuple[int, int, int, list[int]]],
+            num_rows: int) -> tuple[np.ndarray, ...]:
+    """[num_rows, H] ids / output counts / seen / bias of the rows whose table is active (H the
+    declared width that holds the widest, 0 when none is)."""
+    extensions = [rows.draft_extension(slot, drafts) if drafts else [] for _, slot, _, drafts in tables]
+    widest = max((int(rows.tab_len[slot]) + len({c for c, _ in ext if c >= rows.tab_len[slot]})
+                  for (_, slot, _, _), ext in zip(tables, extensions)), default=0)
+    h = history_bucket(widest, rows.vocab_size)
+    ids = np.full((num_rows, h), -1, np.int32)
+    counts = np.zeros((num_rows, h), np.int32)
+    seen = np.zeros((num_rows, h), bool)
+    bias = np.zeros((num_rows, h), np.float32)
+    if not tables:
+        return ids, counts, seen, bias
+    rows.fit_width(h)
+    r_idx = np.array([t[0] for t in tables], np.int64)
+    s_idx = np.array([t[1] for t in tables], np.int64)
+    ids[r_idx] = rows.tab_ids[s_idx, :h]
+    counts[r_idx] = rows.tab_counts[s_idx, :h]
+    seen[r_idx] = rows.tab_seen[s_idx, :h]
+    bias[r_idx] = rows.tab_bias[s_idx, :h]
+    for (r, slot, num_outputs, drafts), ext in zip(tables, extensions):
+        if not drafts:
+            continue
+        pen = rows.penalty[slot]
+        for col, token in ext:
+            ids[r, col] = token
+            if pen.count_outputs:
+                counts[r, col] += 1
+            if rows.params["repetition_penalty"][slot] != 1.0:
+                seen[r, col] = True
+        if pen.banning and num_outputs >= pen.min_tokens:  # the drafts before this row end the ban
+            for token in pen.ban:
+                bias[r, pen.col[token]] = pen.bias.get(token, 0.0)
+    return ids, counts, seen, bias
