@@ -21,9 +21,10 @@ async scheduling on) holds `rows` running requests, each decoding; after they ar
 
 `--fake-device-ms D` replaces the device with one that takes exactly D ms per step (steps run in
 order; the sampled ids are ready D ms after the later of the step's dispatch and the previous
-step's completion): whether the host prepares step n+1 while step n runs shows as wall ~ max(host,
-D) per step, against host + D when each step waits for the previous one (rows with penalties need
-their output ids on the host, so those steps run synchronously).
+step's completion; nothing is compiled). D = 0: wall is the host's time alone, the cleanest figure
+on a CPU, where the real device's work shares the cores with the host thread. D > 0: whether the
+host prepares step n+1 while step n runs shows as wall ~ max(host, D) per step, against host + D
+when each step waits for the previous one (speculation: a proposal needs the last token).
 
 Modes: `sampling` (temperature 0.8, top-p 0.9, presence and frequency penalties 0.5, 2 logprobs, a
 seed per request), `greedy` (temperature 0), `ngram` (sampling plus n-gram speculation, 3 drafts),
@@ -32,7 +33,8 @@ Qwen tokenizer of the embedded model, so the micro model takes its 151,936-token
 with --fake-device-ms, whose device samples each row's first allowed token).
 Contexts: every request's prompt is `context` tokens, all but the last 16 shared (prefix caching on,
 so 8k-token histories cost one prefill); the page tables and penalty histories are those of the full
-context either way.
+context either way. Every run has the same max_model_len (--max-model-len, 8192 by default, plus the
+outputs), so the step's [S, max_pages_per_seq] page-table array is as wide whatever the context.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def grammar_for(mode: str):
     return GrammarCompiler(tok.hf, CONFIG["vocab_size"], tok.eos_token_ids).compile(StructuredOutputs(json=SCHEMA))
 
 
-def make_core(rows: int, context: int, steps: int, mode: str):
+def make_core(rows: int, context: int, steps: int, mode: str, max_model_len: int = 8192):
     import jax.numpy as jnp
 
     from jaxserve.core.config import EngineConfig, ModelConfig, SpeculativeConfig
@@ -100,8 +102,9 @@ def make_core(rows: int, context: int, steps: int, mode: str):
         model_cfg = ModelConfig.from_hf(MICRO)
     weights = init_random(model_cfg, seed=0, dtype=jnp.float32)
     page_size = 16
-    max_len = context + steps + 64
-    pages = -(-context // page_size) + rows * (-(-(UNIQUE + steps + 64) // page_size) + 1) + 16
+    max_len = max(context, max_model_len) + steps + 64  # one config for every context: the same page-table width
+    per_row = -(-(UNIQUE + steps + 64) // page_size) + 1  # beyond the shared prefix
+    pages = -(-max_len // page_size) + rows * per_row + 16
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3) if mode == "ngram" else None
     ecfg = EngineConfig(page_size=page_size, num_kv_pages=pages, max_num_seqs=rows,
                         max_num_batched_tokens=max(rows * 4, 512), max_model_len=max_len,
@@ -166,7 +169,8 @@ def device_ms(core, repeats: int = 7) -> float:
     return statistics.median(times[1:]) * 1e3
 
 
-def run(rows: int, context: int, mode: str, steps: int, repeats: int, fake_device_ms: float | None = None) -> dict:
+def run(rows: int, context: int, mode: str, steps: int, repeats: int, fake_device_ms: float | None = None,
+        max_model_len: int = 8192) -> dict:
     from jaxserve.core.request import Request
     try:
         from jaxserve.engine.loading import freeze_startup_heap
@@ -174,11 +178,13 @@ def run(rows: int, context: int, mode: str, steps: int, repeats: int, fake_devic
         def freeze_startup_heap() -> None:
             pass
 
-    max_tokens = steps * (repeats + 2) + 32
-    core = make_core(rows, context, steps * (repeats + 2) + 32, mode)
+    # enough for every timed step; a speculating step may emit 1 + 3 tokens
+    max_tokens = (steps * (repeats + 2) + 32) * (4 if mode == "ngram" else 1)
+    core = make_core(rows, context, max_tokens, mode, max_model_len)
     grammar = grammar_for(mode)
     t0 = time.perf_counter()
-    core.runner.warmup()
+    if fake_device_ms is None:  # the stand-in device runs no program
+        core.runner.warmup()
     warm = time.perf_counter() - t0
     freeze_startup_heap()  # what every entry point does once loaded (engine/loading.py)
     if fake_device_ms is not None:
@@ -221,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="sampling", help="sampling, greedy, ngram; comma-separated")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per timed repeat")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-model-len", type=int, default=8192, help="context limit of every run (plus the outputs)")
     ap.add_argument("--fake-device-ms", type=float, default=None,
                     help="a stand-in device taking this many ms per step (see above)")
     ap.add_argument("--json-out", help="write the rows as JSON here")
@@ -229,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in a.modes.split(","):
         for context in map(int, a.contexts.split(",")):
             for rows in map(int, a.rows.split(",")):
-                r = run(rows, context, mode, a.steps, a.repeats, a.fake_device_ms)
+                r = run(rows, context, mode, a.steps, a.repeats, a.fake_device_ms, a.max_model_len)
                 out.append(r)
                 print(json.dumps(r), flush=True)
     info = bc.machine_info()

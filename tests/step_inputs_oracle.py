@@ -9,12 +9,34 @@ import numpy as np
 from jaxserve.core.buckets import choose_bucket, choose_logits_rows
 from jaxserve.core.step_plan import PENDING_TOKEN, StepPlan
 from jaxserve.runner.sampling_tensors import SamplingRow, SamplingTensors
-from jaxserve.runner.step_inputs import (EagleShift, StepArrays, StepInputBuilder, StepInputs, _outputs_before_sample,
-                                         _shift_chunk, row_that_sampled, sampler_spans)
+from jaxserve.runner.step_inputs import (EagleShift, StepArrays, StepInputBuilder, StepInputs, _shift_chunk,
+                                         row_that_sampled, sampler_spans)
 
 
-def rebuild(builder: StepInputBuilder, plan: StepPlan, prev_plan: StepPlan | None = None) -> StepInputs:
-    """builder's step for `plan`, built from scratch (builder's config and buckets; none of its rows)."""
+def needs_output_ids(params) -> bool:
+    """Whether sampling a row reads its output token ids (not only their count)."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def outputs_before_sample(c, in_flight: dict[str, int]) -> list[int]:
+    """The output tokens before the one chunk c samples: the live list, then the in-flight one
+    (async scheduling) from `in_flight` (seq_id -> the id the previous step sampled) when known,
+    else -1 (only its count matters then; a row with penalties must know it)."""
+    count = c.start_pos + len(c.token_ids) - len(c.draft_token_ids) - len(c.request.prompt_token_ids)
+    live = list(c.output_token_ids)
+    if count == len(live):
+        return live
+    assert count == len(live) + 1, (c.seq_id, count, len(live))
+    if c.seq_id in in_flight:
+        return live + [in_flight[c.seq_id]]
+    assert not needs_output_ids(c.request.params), f"{c.seq_id}: the in-flight id of a penalty row is needed"
+    return live + [-1]
+
+
+def rebuild(builder: StepInputBuilder, plan: StepPlan, prev_plan: StepPlan | None = None,
+            in_flight: dict[str, int] | None = None) -> StepInputs:
+    """builder's step for `plan`, built from scratch (builder's config and buckets; none of its
+    rows); in_flight: the ids of in-flight tokens (what the device knows), see outputs_before_sample."""
     cfg = builder.cfg
     chunks = plan.chunks
     t_bucket, s_bucket = choose_bucket(builder.buckets, plan.num_tokens, len(chunks))
@@ -59,7 +81,7 @@ def rebuild(builder: StepInputBuilder, plan: StepPlan, prev_plan: StepPlan | Non
         t += n
         cu[i + 1] = t
         if c.sample:
-            outputs = _outputs_before_sample(c)
+            outputs = outputs_before_sample(c, in_flight or {})
             for j in range(c.num_sample_rows):
                 logits_index[len(rows)] = t - c.num_sample_rows + j
                 rows.append(SamplingRow(c.request.params, c.request.params.seed + c.sample_index,

@@ -110,16 +110,21 @@ def test_a_sequence_stopping_on_eos_emits_nothing_from_the_step_in_flight(cores)
     _assert_idle(core)
 
 
-def test_penalty_rows_finish_the_step_first_and_match_the_sync_engine(cores):
+def test_penalty_rows_stay_async_and_match_the_sync_engine(cores):
+    """Penalties need the output ids; the one still in flight is counted on the device
+    (sampler.count_in_flight), so the steps stay asynchronous and the tokens are the sync engine's."""
     def batch():
         return [Request("pen", [4, 4, 9, 4], SamplingParams(temperature=0.0, presence_penalty=1.5,
                                                              frequency_penalty=0.5, max_tokens=10, ignore_eos=True)),
+                Request("rep", [5, 6, 5, 6], SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.8,
+                                                             max_tokens=10, ignore_eos=True)),
                 *_decode_batch("p")]
 
     before = cores[True].num_sync_steps
     got = run_all(cores[True], batch())
-    assert cores[True].num_sync_steps - before >= 9  # every step after the penalised row's first sample
+    assert cores[True].num_sync_steps == before
     assert got == run_all(cores[False], batch())
+    assert len(set(got["pen"][0])) > 3  # the penalties change the greedy choice: not one token repeated
     for core in cores.values():
         _assert_idle(core)
 
@@ -180,13 +185,16 @@ def test_in_flight_decodes_point_at_their_row_of_the_previous_step():
         builder.build(p1, None)
 
 
-def test_an_in_flight_decode_with_penalties_is_refused():
+def test_an_in_flight_decode_with_penalties_points_the_sampler_at_its_token():
     builder, s = _builder_and_scheduler()
     s.add(Request("a", [1, 2, 3], SamplingParams(max_tokens=5, seed=1, repetition_penalty=1.2)))
     p0 = s.schedule()
     p1 = s.schedule()
-    with pytest.raises(ValueError, match="penalties"):
-        builder.build(p1, p0)
+    sampling = builder.build(p1, p0).sampling
+    assert sampling.pending_row[0] == 0 and (sampling.pending_row[1:] == -1).all()  # row 0 of p0 sampled it
+    assert sampling.table_free[0] == 3 and sampling.table_ids.shape[1] > 3  # the prompt's ids, then a free column
+    with pytest.raises(ValueError, match="did not sample"):
+        builder.build(p1, None)
 
 
 def test_threaded_engine_stream_ends_after_finish_and_is_dropped(tmp_path):

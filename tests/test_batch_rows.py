@@ -18,7 +18,8 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.step_plan import SampledToken, StepPlan, SwapCosts
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.runner.step_inputs import StepInputBuilder, needs_output_ids
+from jaxserve.runner.sampler import count_in_flight
+from jaxserve.runner.step_inputs import StepInputBuilder
 from jaxserve.speculative.config import SpeculativeConfig
 from step_inputs_oracle import rebuild
 
@@ -38,7 +39,15 @@ def table_map(sampling, row: int) -> dict[int, tuple[int, bool, float]]:
     return out
 
 
-def assert_same_step(got, want) -> None:
+def on_device(sampling, prev_ids: np.ndarray):
+    """What the sampler works with: the tables with the in-flight tokens counted (count_in_flight)."""
+    if not sampling.needs_history:
+        return sampling
+    return sampling._replace(**{k: np.asarray(v) for k, v in count_in_flight(sampling, prev_ids)._asdict().items()
+                                if k.startswith("table_")})
+
+
+def assert_same_step(got, want, prev_ids: np.ndarray) -> None:
     assert got.num_samples == want.num_samples
     for name, a, b in zip(got.arrays._fields, got.arrays, want.arrays):
         if b is None:
@@ -47,10 +56,11 @@ def assert_same_step(got, want) -> None:
             np.testing.assert_array_equal(a, b, err_msg=name)
     np.testing.assert_array_equal(got.copies, want.copies)
     for name in got.sampling._fields:
-        if not name.startswith("table_"):
+        if not name.startswith("table_") and name != "pending_row":
             np.testing.assert_array_equal(getattr(got.sampling, name), getattr(want.sampling, name), err_msg=name)
+    device = on_device(got.sampling, prev_ids)
     for row in range(got.sampling.num_rows):
-        assert table_map(got.sampling, row) == table_map(want.sampling, row), f"penalty table of row {row}"
+        assert table_map(device, row) == table_map(want.sampling, row), f"penalty table of row {row}"
     # the persistent width may only exceed the rebuild's through neutral entries
     assert got.sampling.needs_history == want.sampling.needs_history
 
@@ -82,9 +92,10 @@ class Driver:
         self.s.swap_costs = SwapCosts(1.0, 0.0)  # swap whenever a host tier can hold the pages
         self.builder = StepInputBuilder(self.cfg, num_pages, VOCAB)
         self.inflight: StepPlan | None = None
-        self.last: StepPlan | None = None
+        self.samples: dict[int, list[SampledToken]] = {}  # id(plan) -> what the device sampled, drawn at dispatch
         self.ids: list[str] = []
         self.steps = 0
+        self.pending_rows = 0  # penalty rows whose last token was counted on the device
 
     def submit(self, k: int) -> None:
         rng = self.rng
@@ -105,26 +116,35 @@ class Driver:
         self.s.allocator.import_pages(tokens, self.s.namespace(None, None), 2)
 
     def sampled(self, plan: StepPlan) -> list[SampledToken]:
+        return self.samples.pop(id(plan))
+
+    def draw(self, plan: StepPlan) -> None:
         out = []
         for c in plan.chunks:
             for j in range(c.num_sample_rows):  # a draft is accepted half the time
                 accept = j < len(c.draft_token_ids) and self.rng.random() < 0.5
                 out.append(SampledToken(c.seq_id, c.draft_token_ids[j] if accept else self.rng.randrange(VOCAB)))
-        return out
+        self.samples[id(plan)] = out
 
     def step(self) -> None:
         prev = self.inflight
-        if prev is not None and (self.s.speculation_active() or prev.has_drafts or any(
-                c.sample and needs_output_ids(c.request.params) for c in prev.chunks)):
+        if prev is not None and (self.s.speculation_active() or prev.has_drafts):
             self.s.update(prev, self.sampled(prev))  # what EngineCore.step does
             prev = self.inflight = None
         plan = self.s.schedule()
         if plan.chunks:
-            prev_plan = prev if prev is not None else None
-            want = rebuild(self.builder, plan, prev_plan)  # before the build: it reads the same live state
-            got = self.builder.build(plan, prev_plan)
-            assert_same_step(got, want)
+            prev_ids = np.zeros(64, np.int32)  # the previous step's sampled ids, on the device
+            in_flight = {}
+            if prev is not None:
+                drawn = self.samples[id(prev)]
+                prev_ids[:len(drawn)] = [t.token_id for t in drawn]
+                in_flight = {t.seq_id: t.token_id for t in drawn}  # no drafts in flight: one row each
+            want = rebuild(self.builder, plan, prev, in_flight)  # before the build: it reads the same live state
+            got = self.builder.build(plan, prev)
+            assert_same_step(got, want, prev_ids)
+            self.pending_rows += int((got.sampling.pending_row >= 0).sum())
             self.steps += 1
+            self.draw(plan)
         if not self.async_mode:
             if plan.chunks:
                 self.s.update(plan, self.sampled(plan))
@@ -160,6 +180,7 @@ def test_persistent_rows_equal_a_rebuild_over_random_workloads(seed, async_mode,
     d = Driver(seed, async_mode, spec=False, lora=seed % 2 == 1, host_pages=host_pages)
     d.run(160)
     assert d.steps > 20
+    assert (d.pending_rows > 0) == async_mode
     assert len(d.builder.rows) == 0 or all(s.status.value == "finished" for s in d.builder.rows.slot_of)
 
 

@@ -4,8 +4,8 @@
 `EngineConfig.async_scheduling` one `step()` plans and dispatches step n+1 while step n still runs
 on the device, and only then waits for step n's sampled ids and applies them: the device never
 waits for the host's scheduling. Decodes whose previous token is still on the device read it there
-(see scheduler.py). A row with repetition/presence/frequency penalties needs its output ids on the
-host, so a step n that sampled such a row is finished before step n+1 is planned (`num_sync_steps`).
+(see scheduler.py). A row with repetition/presence/frequency penalties counts its in-flight token
+on the device (the sampler reads its id where the forward does), so penalties stay asynchronous too.
 A grammar-constrained row (structured output) needs its previous token for its token mask, but not
 for its forward: step n+1's forward is dispatched first, step n is applied while it runs, and
 n+1's sampler is dispatched with the masks once they are filled.
@@ -44,7 +44,7 @@ from jaxserve.model.weights import Weights
 from jaxserve.parallel.layouts import layout_rules
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.sampler import SamplerOutput
-from jaxserve.runner.step_inputs import StepInputs, constraint_bitmask, has_constrained_rows, needs_output_ids
+from jaxserve.runner.step_inputs import StepInputs, constraint_bitmask, has_constrained_rows
 
 logger = logging.getLogger("jaxserve.engine.engine_core")
 
@@ -89,8 +89,8 @@ class EngineCore:
         self._dispatched = self._completed = 0.0  # perf_counter() of the last forward launch / step completion
         self.num_prefill_tokens = 0   # prompt tokens computed (prefix-cache hits excluded)
         self.num_generated_tokens = 0  # tokens emitted (a token sampled after its sequence stopped is not)
-        self.num_sync_steps = 0        # async scheduling: steps finished before planning the next (penalties,
-                                       # speculation)
+        self.num_sync_steps = 0        # async scheduling: steps finished before planning the next
+                                       # (speculation)
         self._inflight: _InFlight | None = None
         # the last step planned nothing and nothing is in flight, though work waits (an adapter
         # being read from disk): the caller may pause briefly instead of spinning
@@ -291,9 +291,8 @@ class EngineCore:
             return events
         prev, self._inflight = self._inflight, None
         events: list[TokenEvent] = []
-        if prev is not None and (self.scheduler.speculation_active() or prev.plan.has_drafts or any(
-                c.sample and needs_output_ids(c.request.params) for c in prev.plan.chunks)):
-            events += self._complete(prev)  # drafts and penalties read the ids: no placeholder for them
+        if prev is not None and (self.scheduler.speculation_active() or prev.plan.has_drafts):
+            events += self._complete(prev)  # drafts read the ids: no placeholder for them
             prev = None
             self.num_sync_steps += 1
         plan = self._schedule()

@@ -230,19 +230,21 @@ class PageAllocator:
             table.append(self._pop_fresh())
         return copies
 
-    def commit(self, seq_id: str, token_ids: Seq[int]) -> None:
-        """Enters the full pages of `token_ids` (the tokens whose K/V is now computed, from position
-        0) into the prefix cache. Pages already keyed are skipped; a page whose key another page
-        already holds stays private (freed plainly later)."""
+    def commit(self, seq_id: str, token_ids: Seq[int], start: int = 0) -> None:
+        """Enters the full pages of `token_ids` (K/V computed; from position `start`, a page boundary
+        at or before the first uncommitted page: no need to pass the whole context) into the prefix
+        cache. Keyed pages are skipped; a page whose key another page holds stays private."""
         if not self.enable_prefix_caching:
             return
         keys = self._seq_keys[seq_id]
         table = self._tables[seq_id]
         ps = self.page_size
-        full = min(len(token_ids) // ps, len(table))
+        if start % ps or start > len(keys) * ps:
+            raise ValueError(f"commit from position {start}: not a page boundary at or before page {len(keys)}")
+        full = min((start + len(token_ids)) // ps, len(table))
         for i in range(len(keys), full):
             parent = keys[-1] if keys else self._seq_root[seq_id]
-            key = page_key(parent, token_ids[i * ps:(i + 1) * ps])
+            key = page_key(parent, token_ids[i * ps - start:(i + 1) * ps - start])
             keys.append(key)
             page = table[i]
             if key not in self._cached and page not in self._page_key:

@@ -358,8 +358,8 @@ class Scheduler(Admission, Inbox):
             return  # preempted: its pages are gone
         ps = self.allocator.page_size
         full = min(seq.num_computed_tokens, seq.num_tokens) // ps
-        if self.allocator.enable_prefix_caching and full > self.allocator.num_committed_pages(seq.seq_id):
-            self.allocator.commit(seq.seq_id, seq.token_slice(0, full * ps))
+        if self.allocator.enable_prefix_caching and full > (done := self.allocator.num_committed_pages(seq.seq_id)):
+            self.allocator.commit(seq.seq_id, seq.token_slice(done * ps, full * ps), done * ps)  # the new pages only
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.request.params

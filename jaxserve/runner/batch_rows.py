@@ -153,13 +153,15 @@ class BatchRows:
         return pen.always or (bool(pen.ban) and num_outputs < pen.min_tokens)
 
     def apply_outputs(self, slot: int, outputs: Seq[int], num_outputs: int) -> None:
-        """Counts the output tokens appended since the last call (outputs[applied:num_outputs])
-        and switches the min_tokens ban on or off for a row that samples after num_outputs."""
+        """Counts the output tokens appended since the last call (the known ones of the first
+        num_outputs: an in-flight one is counted on the device, sampler.count_in_flight) and
+        switches the min_tokens ban on or off for a row that samples after num_outputs."""
         pen = self.penalty[slot]
-        if pen.track and num_outputs > pen.applied:
-            for token in outputs[pen.applied:num_outputs]:
+        known = min(num_outputs, len(outputs))
+        if pen.track and known > pen.applied:
+            for token in outputs[pen.applied:known]:
                 self._count(slot, pen, token)
-            pen.applied = num_outputs
+            pen.applied = known
         banning = num_outputs < pen.min_tokens and bool(pen.ban)
         if banning != pen.banning:
             pen.banning = banning

@@ -339,7 +339,8 @@ class ModelRunner:
         else:
             mask = self._put(bitmask)
         statics = dict(spec=spec, vocab_size=self.model_cfg.vocab_size, width=self._rows_width)
-        return self.programs.call(("sample", spec), sample_step, statics, (), logits, self._put(packed), mask)
+        return self.programs.call(("sample", spec), sample_step, statics, (), logits, self._put(packed), mask,
+                                  self._prev_ids)
 
     def compile(self, program: Program) -> jax.stages.Compiled:
         """One serving program compiled from shapes alone (for memory and HLO inspection)."""

@@ -34,7 +34,7 @@ from jaxserve.model.paged import forward_paged
 from jaxserve.model.weights import Weights
 from jaxserve.runner.packing import PackSpec, pack, unpack
 from jaxserve.quant import kv as kv_quant
-from jaxserve.runner.sampler import SamplerOutput, bitmask_words, sample
+from jaxserve.runner.sampler import SamplerOutput, bitmask_words, count_in_flight, sample
 from jaxserve.runner.sampling_tensors import SamplingTensors
 from jaxserve.runner.step_inputs import StepArrays
 
@@ -52,12 +52,16 @@ DONATED = ("kv",)  # the KV pool, in forward_step and copy_step (program_store.p
 forward_step = jax.jit(_forward_packed, static_argnames=FORWARD_STATICS, donate_argnames=DONATED)
 
 
-def _sample_and_keep(logits: jax.Array, packed: jax.Array, bitmask: jax.Array, spec: PackSpec, vocab_size: int,
-                     width: int) -> tuple[SamplerOutput, jax.Array]:
+def _sample_and_keep(logits: jax.Array, packed: jax.Array, bitmask: jax.Array, prev_ids: jax.Array, spec: PackSpec,
+                     vocab_size: int, width: int) -> tuple[SamplerOutput, jax.Array]:
     """sample(), plus its token ids padded to [width] for the next step's forward (prev_ids).
     bitmask: [S, bitmask_words(vocab_size)] int32, a separate argument (not packed) so that steps
-    without constrained rows pass one resident all-ones array and transfer nothing."""
-    out = sample(logits, unpack(packed, spec), vocab_size, bitmask)
+    without constrained rows pass one resident all-ones array and transfer nothing. prev_ids: the
+    previous step's ids ([width]), for penalty rows whose last token is still in flight."""
+    tensors = unpack(packed, spec)
+    if tensors.needs_history:
+        tensors = count_in_flight(tensors, prev_ids)
+    out = sample(logits, tensors, vocab_size, bitmask)
     return out, jnp.pad(out.token_ids, (0, width - out.token_ids.shape[0]))
 
 
@@ -141,10 +145,10 @@ def _lower(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, p
     host = lambda tree: abstract_packed(tree, mesh)  # noqa: E731
     num_pages, page_size = engine_cfg.num_kv_pages, engine_cfg.page_size
     kv = kv_cache.abstract(model_cfg, num_pages, page_size, kv_dtype(engine_cfg, dtype), placement)
+    prev_ids = jax.ShapeDtypeStruct((rows_width(engine_cfg),), jnp.int32, sharding=replicated)
     if program.kind == "forward":
         packed, spec = host(dummy_arrays(program, engine_cfg.max_pages_per_seq, num_pages * page_size,
                                          engine_cfg.enable_lora))
-        prev_ids = jax.ShapeDtypeStruct((rows_width(engine_cfg),), jnp.int32, sharding=replicated)
         return forward_step.lower(abstract_weights(model_cfg, dtype, placement), kv=kv, packed=packed, spec=spec,
                                   cfg=model_cfg, attention_fn=attention_fn, prev_ids=prev_ids,
                                   lora=abstract_lora(model_cfg, engine_cfg, dtype, placement), aux_layers=aux_layers,
@@ -156,7 +160,7 @@ def _lower(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, p
                                       sharding=NamedSharding(mesh, sharding.spec(None, "vocab", rules=resolved)))
         bitmask = jax.ShapeDtypeStruct((program.rows, bitmask_words(model_cfg.vocab_size)), jnp.int32,
                                        sharding=replicated)
-        return sample_step.lower(logits, packed, bitmask, spec=spec, vocab_size=model_cfg.vocab_size,
+        return sample_step.lower(logits, packed, bitmask, prev_ids, spec=spec, vocab_size=model_cfg.vocab_size,
                                  width=rows_width(engine_cfg))
     index = jax.ShapeDtypeStruct((copy_width(engine_cfg),), jnp.int32, sharding=replicated)
     return copy_step.lower(kv, index, index)

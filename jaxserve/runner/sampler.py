@@ -124,6 +124,22 @@ def process_logits(logits: jax.Array, t: SamplingTensors, vocab_size: int,
     return x / temp[:, None]
 
 
+def count_in_flight(t: SamplingTensors, prev_ids: jax.Array) -> SamplingTensors:
+    """The tables with each row's in-flight output token counted (async scheduling: the previous
+    step sampled it, the host has not seen its id). prev_ids: [W] int32, the previous step's
+    sampled ids. The id goes in its column if the row has it, else in the row's free column, and
+    counts as the host counts an output token once it knows it (sampling_step.py, batch_rows.py)."""
+    has = t.pending_row >= 0                                                         # [R]
+    token = prev_ids[jnp.maximum(t.pending_row, 0)]                                  # [R]
+    hit = t.table_ids == token[:, None]                                              # [R, H]
+    col = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), t.table_free)
+    at = (jnp.arange(t.table_ids.shape[1])[None, :] == col[:, None]) & has[:, None]  # [R, H]
+    counted = (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0)
+    return t._replace(table_ids=jnp.where(at, token[:, None], t.table_ids),
+                      table_output_counts=t.table_output_counts + (at & counted[:, None]).astype(jnp.int32),
+                      table_seen=t.table_seen | (at & (t.repetition_penalty != 1.0)[:, None]))
+
+
 def _apply_table(x: jax.Array, t: SamplingTensors) -> jax.Array:
     """Bias -> repetition penalty -> presence/frequency on the [R, H] table entries."""
     width = x.shape[1]

@@ -2,7 +2,9 @@
 sample (logits_index) and their SamplingTensors, equal to SamplingTensors.from_rows over the same
 rows' whole histories. A chunk with d drafts samples d + 1 rows; draft row j samples as if the
 drafts before it had been emitted, so its output count, min_tokens ban and penalty table include
-them (patched into the step's copy of the row, never into the row itself)."""
+them (patched into the step's copy of the row, never into the row itself). A decode whose
+previous token is still in flight (async scheduling) counts it too, on the device: the row says
+where its id is (pending_row) and which column is free (table_free), sampler.count_in_flight."""
 
 from __future__ import annotations
 
@@ -14,15 +16,17 @@ from jaxserve.runner.batch_rows import BatchRows
 from jaxserve.runner.sampling_tensors import SamplingTensors
 
 
-def sampling_step(rows: BatchRows, sampling: list[tuple[int, int, ScheduledChunk]],
-                  num_rows: int) -> tuple[np.ndarray, SamplingTensors]:
+def sampling_step(rows: BatchRows, sampling: list[tuple[int, int, ScheduledChunk]], num_rows: int,
+                  prev_row: np.ndarray) -> tuple[np.ndarray, SamplingTensors]:
     """sampling: (token row just past the chunk, its row slot, chunk) of each sampling chunk in plan
-    order. Returns ([num_rows] int32 logits_index, SamplingTensors padded to num_rows)."""
+    order; prev_row: the step's [T] prev_sample_row (where an in-flight token's id is). Returns
+    ([num_rows] int32 logits_index, SamplingTensors padded to num_rows)."""
     logits_index = np.zeros(num_rows, np.int32)
     slots: list[int] = []
     num_out: list[int] = []
     token_row: list[int] = []
     tables: list[tuple[int, int, int, list[int]]] = []  # (sample row, slot, outputs before it, drafts before it)
+    pending: list[tuple[int, int]] = []                 # (sample row, previous step's row of its in-flight token)
     penalized = rows.penalized
     for end, slot, c in sampling:
         k = 1 + len(c.draft_token_ids)
@@ -30,8 +34,10 @@ def sampling_step(rows: BatchRows, sampling: list[tuple[int, int, ScheduledChunk
         r = len(slots)
         if penalized[slot]:
             if rows.penalty[slot].track and count > len(c.output_token_ids):
-                raise ValueError(f"{c.seq_id!r} samples with penalties over {count - len(c.output_token_ids)} "
-                                 "output token(s) still in flight; the engine must finish the previous step first")
+                if count > len(c.output_token_ids) + 1 or k > 1 or prev_row[end - 1] < 0:
+                    raise ValueError(f"{c.seq_id!r} samples with penalties over {count - len(c.output_token_ids)} "
+                                     "output token(s) the previous step did not sample")
+                pending.append((r, int(prev_row[end - 1])))  # counted on the device
             rows.apply_outputs(slot, c.output_token_ids, count)
             tables.extend((r + j, slot, count + j, c.draft_token_ids[:j]) for j in range(k)
                           if rows.table_active(slot, count + j))
@@ -57,20 +63,24 @@ def sampling_step(rows: BatchRows, sampling: list[tuple[int, int, ScheduledChunk
     words[:n] = rows.seed_words[idx]
     outs = np.zeros(num_rows, np.int32)
     outs[:n] = num_out
-    ids, counts, seen, bias = _tables(rows, tables, num_rows)
+    pending_row = np.full(num_rows, -1, np.int32)
+    for r, row in pending:
+        pending_row[r] = row
+    ids, counts, seen, bias = _tables(rows, tables, num_rows, {r for r, _ in pending})
     return logits_index, SamplingTensors(
         padded["temperature"], padded["top_k"], padded["top_p"], padded["min_p"], padded["repetition_penalty"],
         padded["presence_penalty"], padded["frequency_penalty"], words, outs, padded["num_logprobs"],
-        ids, counts, seen, bias, padded["constrained"])
+        ids, counts, seen, bias, padded["constrained"], pending_row, (ids >= 0).sum(axis=1, dtype=np.int32))
 
 
-def _tables(rows: BatchRows, tables: list[tuple[int, int, int, list[int]]],
-            num_rows: int) -> tuple[np.ndarray, ...]:
+def _tables(rows: BatchRows, tables: list[tuple[int, int, int, list[int]]], num_rows: int,
+            pending: set[int]) -> tuple[np.ndarray, ...]:
     """[num_rows, H] ids / output counts / seen / bias of the rows whose table is active (H the
-    declared width that holds the widest, 0 when none is)."""
+    declared width that holds the widest, with a free column for a row whose token is in flight
+    (`pending`); 0 when none is active)."""
     extensions = [rows.draft_extension(slot, drafts) if drafts else [] for _, slot, _, drafts in tables]
-    widest = max((int(rows.tab_len[slot]) + len({c for c, _ in ext if c >= rows.tab_len[slot]})
-                  for (_, slot, _, _), ext in zip(tables, extensions)), default=0)
+    widest = max((int(rows.tab_len[slot]) + len({c for c, _ in ext if c >= rows.tab_len[slot]}) + (r in pending)
+                  for (r, slot, _, _), ext in zip(tables, extensions)), default=0)
     h = history_bucket(widest, rows.vocab_size)
     ids = np.full((num_rows, h), -1, np.int32)
     counts = np.zeros((num_rows, h), np.int32)

@@ -89,6 +89,11 @@ class SamplingTensors(NamedTuple):
     table_seen: jax.Array          # [R, H] bool, occurs in prompt+output (repetition penalty)
     table_bias: jax.Array          # [R, H] f32, logit bias (-inf bans)
     constrained: jax.Array         # [R] bool, the row's bitmask applies (structured output)
+    # Async scheduling with a penalty table: the row's latest output token is still in flight (its
+    # id is the previous step's sample at this row of its output; -1: none). The sampler counts it
+    # into the table (sampler.count_in_flight), in its column if the id is there, else at table_free.
+    pending_row: jax.Array         # [R] i32
+    table_free: jax.Array          # [R] i32, the row's first unused table column
 
     @property
     def num_rows(self) -> int:
@@ -143,4 +148,5 @@ class SamplingTensors(NamedTuple):
             table_ids[i, :n], table_counts[i, :n] = ids, counts
             table_seen[i, :n], table_bias[i, :n] = seen, biases
         return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, words, num_out,
-                   num_logprobs, table_ids, table_counts, table_seen, table_bias, constrained)
+                   num_logprobs, table_ids, table_counts, table_seen, table_bias, constrained,
+                   np.full(num_rows, -1, np.int32), (table_ids >= 0).sum(axis=1, dtype=np.int32))

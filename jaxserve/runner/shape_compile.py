@@ -63,6 +63,6 @@ class ShapeCompiler:
             logits = jax.ShapeDtypeStruct((program.rows, self._vocab), jnp.float32, sharding=self._logits)
             mask = self._host_array(np.zeros((program.rows, words), np.int32))
             self._table.compile_ahead(("sample", spec), sample_step, {"spec": spec, **self._sample_statics}, (),
-                                      logits, self._host_array(packed), mask)
+                                      logits, self._host_array(packed), mask, self._state["prev_ids"])
         else:
             raise ValueError(f"{program.name} is compiled at start-up, not in the background")

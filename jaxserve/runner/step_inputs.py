@@ -11,14 +11,13 @@ live sequence (`num_seqs` stops the attention there).
 
 Async scheduling: a decode whose token is still on the device (`PENDING_TOKEN` in the plan) gets
 `prev_sample_row` = its row in the previous step's sampler output; the jitted step reads the id
-from there. Its sampling row counts that token (seed key, min_tokens) without knowing its id, so a
-row that needs the ids themselves (repetition/presence/frequency penalties) cannot take one.
+from there. Its sampling row counts that token (seed key, min_tokens) without knowing its id; a
+row with penalties has it counted into its table on the device (sampling_step.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceABC
-from typing import Iterator, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,7 +27,6 @@ from jaxserve.runner.batch_rows import BatchRows
 from jaxserve.runner.sampler import bitmask_words
 from jaxserve.runner.sampling_step import sampling_step
 from jaxserve.runner.sampling_tensors import SamplingTensors
-from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.step_plan import PENDING_TOKEN, ScheduledChunk, StepPlan
 from jaxserve.structured.guide import fill_bitmask
 
@@ -80,7 +78,7 @@ class StepInputBuilder:
 
         `prev_plan` is the step dispatched just before this one; it is needed when `plan` has
         PENDING_TOKEN decodes (their ids are that step's sampled ids). Raises ValueError when a
-        pending token has no row there, or belongs to a row that needs output ids (penalties).
+        pending token has no row there.
 
         The sequences' rows persist across steps (batch_rows.py): a plan's chunks only refresh
         them; per chunk a few list operations, every array a vectorized gather."""
@@ -108,8 +106,8 @@ class StepInputBuilder:
                 pending.append((t - 1, c))
             if c.sample:
                 sampling.append((t, slot, c))
-        slot_arr = np.array(slot_of, np.int64)
         len_arr = np.array(lens, np.int64)
+        start_arr = np.array(starts, np.int64)
         ps = self.cfg.page_size
         token_ids = np.zeros(t_bucket, np.int32)
         token_ids[:t] = flat
@@ -122,15 +120,15 @@ class StepInputBuilder:
         cu[nc + 1:] = t
         token_seq = np.zeros(t_bucket, np.int32)
         token_seq[:t] = seq_of_token
-        pos = np.array(starts, np.int64)[seq_of_token] + np.arange(t) - cu[seq_of_token]
+        pos = start_arr[seq_of_token] + np.arange(t) - cu[seq_of_token]
         positions = np.zeros(t_bucket, np.int32)
         positions[:t] = pos
         page_tables = np.zeros((s_bucket, self.cfg.max_pages_per_seq), np.int32)
-        page_tables[:nc] = rows.pages[slot_arr]
+        page_tables[:nc] = rows.pages[np.array(slot_of, np.int64)]
         slots = np.full(t_bucket, self.pad_slot, np.int32)
         slots[:t] = page_tables[seq_of_token, pos // ps] * ps + pos % ps
         seq_lens = np.zeros(s_bucket, np.int32)
-        seq_lens[:nc] = cu[1:nc + 1] - cu[:nc] + np.array(starts, np.int64)
+        seq_lens[:nc] = start_arr + len_arr
         lora_slot = None
         if self.cfg.enable_lora:
             lora_slot = np.full(t_bucket, -1, np.int32)
@@ -142,7 +140,7 @@ class StepInputBuilder:
             for i, c in enumerate(chunks):
                 _shift_chunk(shift, int(cu[i]), c, plan, row)
                 row += c.num_sample_rows
-        logits_index, tensors = sampling_step(rows, sampling, l_bucket)
+        logits_index, tensors = sampling_step(rows, sampling, l_bucket, prev_row)
         arrays = StepArrays(token_ids, positions, token_seq, slots, cu, seq_lens, page_tables,
                             np.array([nc], np.int32), logits_index, prev_row, lora_slot)
         copies = np.asarray(plan.copies, np.int32).reshape(-1, 2)
@@ -195,12 +193,6 @@ def constraint_bitmask(plan: StepPlan, num_rows: int, vocab_size: int) -> np.nda
     return fill_bitmask(guides, num_rows, bitmask_words(vocab_size))
 
 
-def needs_output_ids(params: SamplingParams) -> bool:
-    """Whether sampling this row reads its output token ids (not only their count)."""
-    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0)
-
-
 def sampler_spans(plan: StepPlan | None) -> dict[str, tuple[int, int, int]]:
     """seq_id -> (position of its first sampling token row, its first row in the plan's sampler
     output, how many rows) for each chunk of `plan` that samples."""
@@ -217,39 +209,3 @@ def row_that_sampled(spans: dict[str, tuple[int, int, int]], c: ScheduledChunk) 
     start_pos: the row that computed start_pos - 1; None when that plan did not."""
     first, base, count = spans.get(c.seq_id, (0, 0, 0))
     return base + c.start_pos - 1 - first if first <= c.start_pos - 1 < first + count else None
-
-
-def _outputs_before_sample(c: ScheduledChunk) -> Sequence[int]:
-    """The output tokens before the one this chunk samples. With async scheduling the live list
-    lags by the in-flight tokens; their count is known from the positions, their ids are not."""
-    count = c.start_pos + len(c.token_ids) - len(c.draft_token_ids) - len(c.request.prompt_token_ids)
-    live = c.output_token_ids
-    if count == len(live):
-        return live
-    if needs_output_ids(c.request.params):
-        raise ValueError(f"{c.seq_id!r} samples with penalties over {count - len(live)} output token(s) "
-                         "still in flight; the engine must finish the previous step first")
-    return _PendingOutputs(live, count)
-
-
-class _PendingOutputs(SequenceABC):
-    """`live` followed by in-flight tokens of unknown id (-1): right length, ids never read."""
-
-    def __init__(self, live: list[int], count: int) -> None:
-        self._live = live
-        self._count = count
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __getitem__(self, i):  # type: ignore[override]
-        return list(self)[i]
-
-    def __iter__(self) -> Iterator[int]:
-        yield from self._live
-        yield from [-1] * (self._count - len(self._live))
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        out = np.full(self._count, -1, dtype or np.int64)
-        out[: len(self._live)] = self._live
-        return out

@@ -103,6 +103,7 @@ def test_the_sampler_program_never_copies_the_logits():
     t = SamplingTensors.from_rows([SamplingRow(SamplingParams(temperature=0.0), 0, [1], [], frozenset())], rows, V)
     packed, spec = pack(t)
     mask = np.full((rows, bitmask_words(V)), -1, np.int32)
-    hlo = sample_step.lower(x, packed, mask, spec=spec, vocab_size=V, width=rows).compile().as_text()
+    prev_ids = np.zeros(rows, np.int32)
+    hlo = sample_step.lower(x, packed, mask, prev_ids, spec=spec, vocab_size=V, width=rows).compile().as_text()
     copies = [line for line in hlo.splitlines() if " copy(" in line and f"f32[{rows},{V + 56}]" in line.split("copy(")[0]]
     assert not copies, copies
