@@ -116,6 +116,19 @@ def _timed_ms(fn, repeats: int) -> float:
     return rl.median_time(lambda: jax.block_until_ready(fn()), repeats) * 1e3
 
 
+def capture_step_inputs(core):
+    """Runs one engine step and returns the StepInputs its forward was given."""
+    runner = core.runner
+    captured = []
+    real_forward = runner.forward
+    runner.forward = lambda inputs: captured.append(inputs) or real_forward(inputs)
+    try:
+        core.step()
+    finally:
+        runner.forward = real_forward
+    return captured[-1]
+
+
 def step_breakdown(core, repeats: int) -> dict[str, float]:
     """Milliseconds of one steady decode step's device programs, each timed alone (synchronously):
     the forward program, the same forward with attention removed (the difference is attention),
@@ -126,12 +139,7 @@ def step_breakdown(core, repeats: int) -> dict[str, float]:
     from jaxserve.model.transformer import lm_head
 
     runner = core.runner
-    captured = []
-    real_forward = runner.forward
-    runner.forward = lambda inputs: captured.append(inputs) or real_forward(inputs)
-    core.step()
-    runner.forward = real_forward
-    inputs = captured[-1]
+    inputs = capture_step_inputs(core)
 
     def forward():
         logits, runner.kv = runner._forward(inputs.arrays)

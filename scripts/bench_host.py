@@ -153,13 +153,10 @@ def device_ms(core, repeats: int = 7) -> float:
     """Median milliseconds of one captured decode step's programs (forward + sampler + fetch)."""
     import jax
 
+    from bench_engine import capture_step_inputs
+
     runner = core.runner
-    captured = []
-    real = runner.forward
-    runner.forward = lambda inputs: captured.append(inputs) or real(inputs)
-    core.step()
-    runner.forward = real
-    inputs = captured[-1]
+    inputs = capture_step_inputs(core)
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
