@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only for annotations; keeps this module importable on its own
     from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.speculative.ngram import TokenHistory
     from jaxserve.structured.guide import CompiledGrammar, Guide
 
 
@@ -84,6 +85,7 @@ class Sequence:
     # the scheduler step from which it proposes again (it backs off after repeated misses).
     draft_misses: int = 0
     draft_resume_step: int = 0
+    token_history: "TokenHistory | None" = None  # n-gram proposals: its tokens as an array, grown per step
     lora_slot: int = -1                # multi-LoRA: the device slot it pins while admitted (-1: none)
     # admission: (num_tokens, prefix-cache page keys of its tokens) while it waits at the head of the line
     prefix_keys: tuple[int, list[bytes]] | None = None

@@ -56,7 +56,11 @@ class Drafting:
             return []
         if spec.method in ("draft_model", "eagle3"):
             return [DRAFT_SLOT] * k
-        drafts = ngram.propose(seq.token_slice(0, seq.num_tokens), k, spec.prompt_lookup_min,
+        history = seq.token_history
+        if history is None:
+            history = seq.token_history = ngram.TokenHistory()
+        history.extend(seq.token_slice(history.length, seq.num_tokens))  # the tokens since its last proposal
+        drafts = ngram.propose(history.view(), k, spec.prompt_lookup_min,
                                spec.prompt_lookup_max).tolist()
         drafts = self.grammar_cut(seq, drafts)
         if not drafts:

@@ -43,3 +43,21 @@ def test_speculative_config_parses_vllms_shape_and_names_bad_fields():
     ]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.parse(text)
+
+
+def test_a_token_history_extended_step_by_step_proposes_what_the_whole_list_does():
+    """The engine keeps each sequence's tokens in a TokenHistory (appended per step, never rebuilt):
+    its view is the token list, grown past its first buffer, and proposals over it are propose()'s."""
+    import random
+
+    from jaxserve.speculative.ngram import TokenHistory
+
+    rng = random.Random(0)
+    for _ in range(200):
+        history, tokens = TokenHistory(), []
+        for _ in range(rng.randint(1, 40)):
+            new = [rng.randrange(4) for _ in range(rng.randint(1, 9))]
+            tokens += new
+            history.extend(new)
+            assert history.view().tolist() == tokens
+            assert propose(history.view(), 3, 1, 4).tolist() == propose(tokens, 3, 1, 4).tolist()
