@@ -83,7 +83,7 @@ class Admission:
             if leader.prefix_keys is None or leader.prefix_keys[0] != num_tokens:
                 # hashed once while the head of the line waits, not at every step it stays blocked
                 leader.prefix_keys = (num_tokens, alloc.prefix_keys(leader.token_slice(0, num_tokens), namespace))
-            cached, num_cached = alloc.match_prefix((), namespace, leader.prefix_keys[1])
+            cached, num_cached = alloc.match_keys(leader.prefix_keys[1])
             assert num_cached <= leader.target_len  # the match never covers the last token
             first = min(leader.target_len - num_cached, st.budget)
             if not alloc.can_allocate(alloc.pages_needed(num_cached + first) - len(cached), holding=cached):

@@ -141,17 +141,17 @@ class PageAllocator:
             keys.append(key)
         return keys
 
-    def match_prefix(self, token_ids: Seq[int], namespace: str,
-                     keys: Seq[bytes] | None = None) -> tuple[list[int], int]:
-        """Longest run of cached full pages that prefixes `token_ids` in `namespace` (`keys`: its
-        `prefix_keys`, when the caller kept them: no hashing then).
+    def match_prefix(self, token_ids: Seq[int], namespace: str) -> tuple[list[int], int]:
+        """Longest run of cached full pages that prefixes `token_ids` in `namespace`.
 
         Never covers the last token: it must be computed so the step has logits to sample from.
         Pure lookup: takes no references and counts nothing (see `open`). A page found only in the
         host tier is listed as `host_page(index)` (negative).
         """
-        if keys is None:
-            keys = self.prefix_keys(token_ids, namespace)
+        return self.match_keys(self.prefix_keys(token_ids, namespace))
+
+    def match_keys(self, keys: Seq[bytes]) -> tuple[list[int], int]:
+        """match_prefix for tokens whose `prefix_keys` the caller kept (no hashing)."""
         pages: list[int] = []
         for key in keys:
             page = self._cached.get(key)

@@ -56,7 +56,6 @@ class BatchRows:
     entries, `release(seqs)` frees rows. Arrays grow (doubling) when more rows or wider tables are
     needed; slots and columns are reused."""
 
-    PARAMS = PARAMS
 
     def __init__(self, max_pages_per_seq: int, page_size: int, vocab_size: int, rows: int = 64) -> None:
         self.page_size = page_size

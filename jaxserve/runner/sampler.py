@@ -127,12 +127,13 @@ def process_logits(logits: jax.Array, t: SamplingTensors, vocab_size: int,
 def count_in_flight(t: SamplingTensors, prev_ids: jax.Array) -> SamplingTensors:
     """The tables with each row's in-flight output token counted (async scheduling: the previous
     step sampled it, the host has not seen its id). prev_ids: [W] int32, the previous step's
-    sampled ids. The id goes in its column if the row has it, else in the row's free column, and
+    sampled ids. The id goes in its column if the row has it, else in the row's first free one, and
     counts as the host counts an output token once it knows it (sampling_step.py, batch_rows.py)."""
     has = t.pending_row >= 0                                                         # [R]
     token = prev_ids[jnp.maximum(t.pending_row, 0)]                                  # [R]
     hit = t.table_ids == token[:, None]                                              # [R, H]
-    col = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), t.table_free)
+    free = jnp.sum(t.table_ids >= 0, axis=1)                                         # ids fill the first columns
+    col = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), free)
     at = (jnp.arange(t.table_ids.shape[1])[None, :] == col[:, None]) & has[:, None]  # [R, H]
     counted = (t.presence_penalty != 0.0) | (t.frequency_penalty != 0.0)
     return t._replace(table_ids=jnp.where(at, token[:, None], t.table_ids),

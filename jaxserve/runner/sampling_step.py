@@ -4,7 +4,7 @@ rows' whole histories. A chunk with d drafts samples d + 1 rows; draft row j sam
 drafts before it had been emitted, so its output count, min_tokens ban and penalty table include
 them (patched into the step's copy of the row, never into the row itself). A decode whose
 previous token is still in flight (async scheduling) counts it too, on the device: the row says
-where its id is (pending_row) and which column is free (table_free), sampler.count_in_flight."""
+where its id is (pending_row), sampler.count_in_flight."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxserve.core.buckets import history_bucket
 from jaxserve.core.step_plan import ScheduledChunk
-from jaxserve.runner.batch_rows import BatchRows
+from jaxserve.runner.batch_rows import PARAMS, BatchRows
 from jaxserve.runner.sampling_tensors import SamplingTensors
 
 
@@ -55,7 +55,7 @@ def sampling_step(rows: BatchRows, sampling: list[tuple[int, int, ScheduledChunk
     logits_index[:n] = token_row
     idx = np.array(slots, np.int64)
     padded = {}
-    for name, (dtype, fill) in rows.PARAMS.items():
+    for name, (dtype, fill) in PARAMS.items():
         a = np.full(num_rows, fill, dtype)
         a[:n] = rows.params[name][idx]
         padded[name] = a
@@ -70,7 +70,7 @@ def sampling_step(rows: BatchRows, sampling: list[tuple[int, int, ScheduledChunk
     return logits_index, SamplingTensors(
         padded["temperature"], padded["top_k"], padded["top_p"], padded["min_p"], padded["repetition_penalty"],
         padded["presence_penalty"], padded["frequency_penalty"], words, outs, padded["num_logprobs"],
-        ids, counts, seen, bias, padded["constrained"], pending_row, (ids >= 0).sum(axis=1, dtype=np.int32))
+        ids, counts, seen, bias, padded["constrained"], pending_row)
 
 
 def _tables(rows: BatchRows, tables: list[tuple[int, int, int, list[int]]], num_rows: int,

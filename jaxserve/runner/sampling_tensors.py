@@ -91,9 +91,9 @@ class SamplingTensors(NamedTuple):
     constrained: jax.Array         # [R] bool, the row's bitmask applies (structured output)
     # Async scheduling with a penalty table: the row's latest output token is still in flight (its
     # id is the previous step's sample at this row of its output; -1: none). The sampler counts it
-    # into the table (sampler.count_in_flight), in its column if the id is there, else at table_free.
+    # into the table (sampler.count_in_flight): in its column if the id is there, else in the first
+    # unused one (a row's ids fill its first columns).
     pending_row: jax.Array         # [R] i32
-    table_free: jax.Array          # [R] i32, the row's first unused table column
 
     @property
     def num_rows(self) -> int:
@@ -149,4 +149,4 @@ class SamplingTensors(NamedTuple):
             table_seen[i, :n], table_bias[i, :n] = seen, biases
         return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, words, num_out,
                    num_logprobs, table_ids, table_counts, table_seen, table_bias, constrained,
-                   np.full(num_rows, -1, np.int32), (table_ids >= 0).sum(axis=1, dtype=np.int32))
+                   np.full(num_rows, -1, np.int32))
