@@ -5,7 +5,7 @@ request sent right then (first token), and until every declared program is compi
 /health's programs_compiled == programs_declared; the default background warm-up serves before
 that). Cold: a fresh, empty XDG_CACHE_HOME (the embedded model is written, the native CPU kernel
 built, every program compiled); warm: the same directory again. Runs alternate cold, warm, cold,
-warm, ... and medians are reported.
+warm, ... (or N warm starts after each cold one: --warm-per-cold N) and medians are reported.
 
     python scripts/bench_startup.py                                    # the embedded default model
     python scripts/bench_startup.py --model-preset bench-105m --repeats 1
@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model dir or cached hub id (default: the embedded model)")
     p.add_argument("--model-preset", default=None, help="a scripts/bench_vs_peers.py preset (bench-105m, ...)")
     p.add_argument("--flags", default="", help="more `jaxserve serve` flags, one string")
-    p.add_argument("--repeats", type=int, default=2, help="cold/warm pairs")
+    p.add_argument("--repeats", type=int, default=2, help="cold starts, each followed by its warm ones")
+    p.add_argument("--warm-per-cold", type=int, default=1, help="warm starts after each cold one (same cache)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds one start may take")
     a = p.parse_args(argv)
     model = a.model
@@ -96,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as tmp:
         for i in range(a.repeats):
             xdg = Path(tmp) / f"xdg-{i}"
-            for kind in ("cold", "warm"):
-                run = start_once(model, flags, xdg, Path(tmp) / f"{kind}-{i}.log", a.timeout)
+            for j, kind in enumerate(["cold"] + ["warm"] * a.warm_per_cold):
+                run = start_once(model, flags, xdg, Path(tmp) / f"{kind}-{i}-{j}.log", a.timeout)
                 runs[kind].append(run)
                 print(f"{kind} {i}: ready {run['ready_s']:.1f} s, first token {run['first_token_s']:.1f} s, "
                       f"all {run['programs']} programs compiled {run['all_compiled_s']:.1f} s", flush=True)
