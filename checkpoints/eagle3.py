@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from checkpoints.hf import _iter_tensors, _safetensors_files, layer_tensors, resolve_model_dir, tensor_names
+from checkpoints.hf import _iter_tensors, _safetensors_files, resolve_model_dir, tensor_names
+from checkpoints.hf_names import layer_tensors
 from jaxserve.parallel import sharding
 from jaxserve.core.config import ModelConfig
 from jaxserve.model import eagle3

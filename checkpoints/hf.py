@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from checkpoints import quantized
+from checkpoints.hf_names import is_mtp_layer, name_table, unfused
 from jaxserve.core.config import ModelConfig
 from jaxserve.model import weights as W
 from jaxserve.quant import host as quant_host
@@ -141,84 +142,6 @@ def tensor_names(model_dir: str | Path) -> set[str]:
     return names
 
 
-def _heads(n: int, hd: int) -> Callable[[np.ndarray], np.ndarray]:
-    """[n*hd, D] (torch Linear out x in) -> [D, n, hd]."""
-    return lambda t: t.T.reshape(t.shape[1], n, hd)
-
-
-def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]]:
-    """A decoder layer's HF tensor names (after `model.layers.{i}.`) -> (LayerWeights field,
-    transform from the stored array)."""
-    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    ident = lambda t: t  # noqa: E731
-    transpose = lambda t: t.T  # noqa: E731
-    layer = {
-        "input_layernorm.weight": ("attn_norm", ident),
-        "post_attention_layernorm.weight": ("mlp_norm", ident),
-        "self_attn.q_proj.weight": ("wq", _heads(hq, hd)),
-        "self_attn.k_proj.weight": ("wk", _heads(hkv, hd)),
-        "self_attn.v_proj.weight": ("wv", _heads(hkv, hd)),
-        "self_attn.o_proj.weight": ("wo", lambda t: t.T.reshape(hq, hd, t.shape[0])),
-        "mlp.gate_proj.weight": ("w_gate", transpose),
-        "mlp.up_proj.weight": ("w_up", transpose),
-        "mlp.down_proj.weight": ("w_down", transpose),
-    }
-    if cfg.qkv_bias:
-        layer["self_attn.q_proj.bias"] = ("bq", lambda t: t.reshape(hq, hd))
-        layer["self_attn.k_proj.bias"] = ("bk", lambda t: t.reshape(hkv, hd))
-        layer["self_attn.v_proj.bias"] = ("bv", lambda t: t.reshape(hkv, hd))
-    if cfg.o_bias:
-        layer["self_attn.o_proj.bias"] = ("bo", ident)
-    if cfg.qk_norm:
-        layer["self_attn.q_norm.weight"] = ("q_norm", ident)
-        layer["self_attn.k_norm.weight"] = ("k_norm", ident)
-    if cfg.mlp_bias:
-        layer["mlp.gate_proj.bias"] = ("b_gate", ident)
-        layer["mlp.up_proj.bias"] = ("b_up", ident)
-        layer["mlp.down_proj.bias"] = ("b_down", ident)
-    return layer
-
-
-# family -> (the MoE block's module name, its router's, the expert projections gate / up / down)
-_MOE_NAMES = {"qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
-              "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2"))}
-
-
-def _moe_tensors(cfg: ModelConfig, prefix: str, i: int) -> dict[str, tuple[tuple[Any, ...], Callable]]:
-    """A sparse layer's HF tensors: the router, and each expert's projections as one entry per
-    expert (path ("layers", i, field, e)), stacked into the [E, ...] leaf by load_weights."""
-    block, router, projections = _MOE_NAMES[cfg.family]
-    table: dict[str, tuple[tuple[Any, ...], Callable]] = {
-        f"{prefix}{block}.{router}.weight": (("layers", i, "router"), lambda t: t.T)}
-    for e in range(cfg.moe.num_experts):
-        for name, field in zip(projections, ("we_gate", "we_up", "we_down")):
-            table[f"{prefix}{block}.experts.{e}.{name}.weight"] = (("layers", i, field, e), lambda t: t.T)
-    return table
-
-
-def _name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Callable[[np.ndarray], np.ndarray]]]:
-    """HF tensor name -> (path into Weights, transform from the stored array)."""
-    ident = lambda t: t  # noqa: E731
-    table: dict[str, tuple[tuple[Any, ...], Callable]] = {  # the vocabulary is padded as placed (_VOCAB_AXIS)
-        "model.embed_tokens.weight": (("embed",), ident),
-        "model.norm.weight": (("final_norm",), ident),
-    }
-    if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = (("lm_head",), lambda t: t.T)
-    layer = layer_tensors(cfg)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        if cfg.moe is not None and cfg.moe.layers[i]:
-            table.update(_moe_tensors(cfg, p, i))
-            for suffix, (field, fn) in layer.items():
-                if not suffix.startswith("mlp."):
-                    table[p + suffix] = (("layers", i, field), fn)
-            continue
-        for suffix, (field, fn) in layer.items():
-            table[p + suffix] = (("layers", i, field), fn)
-    return table
-
-
 # leaves whose vocabulary axis is stored with vocab_size rows and placed padded to padded_vocab (zeros)
 _VOCAB_AXIS = {("embed",): 0, ("lm_head",): 1}
 
@@ -297,7 +220,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
         slices = SliceReads()
     spec_tree = W.abstract(cfg, dtype)
     sharding_tree = W.shardings(spec_tree, cfg, mesh, rules)
-    table = _name_table(cfg)
+    table = name_table(cfg)
     q = cfg.quantization
     # Pre-quantized formats: HF module prefix -> its "<prefix>.weight" table entry, per quantized leaf.
     modules: dict[str, str] = {}
@@ -316,7 +239,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
     tensors = _iter_tensors(files, lazy=slices is not None)
     if progress is not None:
         tensors = _reported(tensors, sum(len(_header(f)[1]) for f in files), progress)
-    for name, read in tensors:
+    for name, read in unfused(tensors, cfg):
         if name in received:
             raise ValueError(f"tensor {name!r} appears in more than one safetensors file")
         received.add(name)
@@ -342,7 +265,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
                 seen.add(modules[prefix])
             continue
         if name not in table:
-            if _IGNORED.match(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            if _IGNORED.match(name) or (cfg.tie_word_embeddings and name == "lm_head.weight") or is_mtp_layer(name, cfg):
                 continue
             raise ValueError(f"unexpected tensor {name!r} in {model_dir} for a {cfg.architecture} config")
         seen.add(name)
@@ -362,7 +285,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
             raise ValueError(f"tensor {name!r} has shape {tuple(raw.shape)} (as {host.shape} after layout), "
                              f"expected {_stored_shape(path, shape, cfg)} from config.json")
         if slices is not None and expert is None and not online:
-            out = _set(out, path, slices.place(host, spec.shape, _get(sharding_tree, path), jnp.dtype(dtype)))
+            out = _set(out, path, slices.place(host, spec.shape, _get(sharding_tree, path), jnp.dtype(spec.dtype)))
             continue
         host = _zero_padded(np.ascontiguousarray(host), shape)
         if expert is not None:
@@ -376,7 +299,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
             values, scale = quant_host.quantize(host, spec.qtype, spec.scale.shape)
             host = spec.replace(qvalue=values, scale=scale.astype(jnp.dtype(dtype)))
         else:
-            host = host.astype(jnp.dtype(dtype))
+            host = host.astype(jnp.dtype(spec.dtype))  # the declared dtype (a float32 expert bias)
         out = _set(out, path, put(host, _get(sharding_tree, path)))
     for prefix, parts in pending.items():
         raise ValueError(f"checkpoint in {model_dir} has only {sorted(parts)} of {prefix!r}; a {q.method} "

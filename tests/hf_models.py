@@ -44,6 +44,40 @@ MOE_VARIANTS: dict[str, dict[str, Any]] = {
                     tie_word_embeddings=False),
 }
 
+# The layer kinds of 2026 (issue 42): kept apart from VARIANTS (the quantization tests iterate
+# over those). Three layers each so a stack mixes kinds; windows of 8 so test prompts pass them.
+_GEMMA = dict(head_dim=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+              query_pre_attn_scalar=24, sliding_window=8, hidden_activation="gelu_pytorch_tanh",
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"], pad_token_id=0)
+FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
+    # soft-capped attention and logits, sandwich norms, scaled embeddings, alternating windows
+    "gemma2": dict(family="gemma2", **_GEMMA, attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+                   tie_word_embeddings=True),
+    # q/k norms, a RoPE per layer type (local base for sliding layers, linear-scaled global one)
+    "gemma3": dict(family="gemma3", **_GEMMA, tie_word_embeddings=True, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}),
+    # norms after each block only, q/k norms over the whole projection
+    "olmo2": dict(family="olmo2", num_hidden_layers=3, tie_word_embeddings=False),
+    # no RoPE on the last layer
+    "smollm3": dict(family="smollm3", num_hidden_layers=3, no_rope_layers=[1, 1, 0], pad_token_id=0,
+                    tie_word_embeddings=True),
+    # fused qkv / gate-up projections, half of each head rotated, a window on every layer
+    "phi3": dict(family="phi3", num_hidden_layers=3, partial_rotary_factor=0.5, sliding_window=8, pad_token_id=0,
+                 tie_word_embeddings=False),
+    # a dense first layer, then sigmoid-routed experts (2 of 4 groups kept, bias, scaling) with a
+    # shared expert; half of each head rotated, q/k norms, biased q/k/v
+    "glm4_moe": dict(family="glm4_moe", num_hidden_layers=3, head_dim=16, num_attention_heads=4, n_routed_experts=8,
+                     num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1,
+                     moe_intermediate_size=32, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+                     pad_token_id=0, tie_word_embeddings=False),
+    # sigmoid-routed experts with a choice bias, q/k norms over the whole projection, partial rotary
+    "minimax_m2": dict(family="minimax_m2", num_hidden_layers=3, head_dim=16, num_attention_heads=4,
+                       num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                       pad_token_id=0, tie_word_embeddings=False),
+}
+
 _CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -51,12 +85,20 @@ _CLASSES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+    "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
 }
+ALL_VARIANTS = {**VARIANTS, **MOE_VARIANTS, **FAMILY_VARIANTS}
 
 
 def make_hf_model(variant: str, directory: Path, seed: int = 0, **overrides: Any) -> tuple[Path, Any]:
     """Writes a random tiny model with `save_pretrained` and returns (dir, the torch model in eval mode)."""
-    spec = dict(VARIANTS[variant] if variant in VARIANTS else MOE_VARIANTS[variant])
+    spec = dict(ALL_VARIANTS[variant])
     family = spec.pop("family")
     config_cls, model_cls = _CLASSES[family]
     kwargs = {**_BASE, **spec, **overrides}
@@ -71,5 +113,8 @@ def make_hf_model(variant: str, directory: Path, seed: int = 0, **overrides: Any
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.05 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():  # an expert-choice bias that matters
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.05 * torch.randn_like(buffer))
     model.save_pretrained(directory, safe_serialization=True)
     return Path(directory), model

@@ -200,7 +200,8 @@ def test_no_page_fits_names_the_settings():
         plan_capacity(EngineConfig(kv_cache_memory=1000), TINY, CPU_2, itemsize=4)
     with pytest.raises(ValueError, match="exceeds the model's context 4096"):
         plan_capacity(EngineConfig(max_model_len=8192), TINY, CPU_2, itemsize=4)
-    dynamic = dataclasses.replace(TINY, rope=dataclasses.replace(TINY.rope, rope_type="dynamic", factor=2.0))
+    dynamic_rope = dataclasses.replace(TINY.rope, rope_type="dynamic", factor=2.0)
+    dynamic = dataclasses.replace(TINY, layers=tuple(dataclasses.replace(k, rope=dynamic_rope) for k in TINY.layers))
     assert plan_capacity(EngineConfig(), dynamic, CPU_2, itemsize=4).engine.max_model_len == 8192
     assert plan_capacity(EngineConfig(max_model_len=10_000), dynamic, CPU_2, itemsize=4).engine.max_model_len == 10_000
 

@@ -45,6 +45,16 @@ def test_family_features():
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "original_max_position_embeddings"),
     ({"dtype": "int4"}, "unsupported config.json 'dtype'"),
     ({"layer_types": ["full_attention"]}, "'layer_types' has 1 entries for 2 layers"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, r"'layer_types' has unsupported entries \['chunked"),
+    ({"attention_chunk_size": 8192}, "'attention_chunk_size' \\(chunked attention\\) is not supported"),
+    ({"use_bidirectional_attention": True}, "'use_bidirectional_attention'"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "Gemma3ForConditionalGeneration"),
+    ({"partial_rotary_factor": 1.5}, "'partial_rotary_factor' must be in"),
+    ({"rope_parameters": {"full_attention": {"rope_theta": 1e6}}, "layer_types": ["full_attention", "sliding_attention"],
+      "sliding_window": 4}, "no entry for layer type 'sliding_attention'"),
+    ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 16}, "'query_pre_attn_scalar'"),
+    ({"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "n_routed_experts": 6, "n_group": 4,
+      "num_experts_per_tok": 2, "moe_intermediate_size": 8}, "n_group 4 must split the 6 experts"),
 ])
 def test_bad_configs_name_the_problem(patch, message):
     with pytest.raises(ValueError, match=message):

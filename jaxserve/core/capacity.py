@@ -107,8 +107,10 @@ def _sparse(cfg: ModelConfig, layer: int) -> bool:
 
 def active_mlp_width(cfg: ModelConfig, layer: int) -> int:
     """The MLP width one token passes through in a layer: the dense intermediate size, or its top-k
-    experts' widths in a sparse MoE layer."""
-    return cfg.moe.top_k * cfg.moe.intermediate_size if _sparse(cfg, layer) else cfg.intermediate_size
+    experts' widths (and the shared expert's) in a sparse MoE layer."""
+    if not _sparse(cfg, layer):
+        return cfg.intermediate_size
+    return cfg.moe.top_k * cfg.moe.intermediate_size + cfg.moe.shared_size
 
 
 def flops_per_token(cfg: ModelConfig) -> int:

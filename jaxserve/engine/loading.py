@@ -18,7 +18,8 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from checkpoints import load_model, resolve_model_dir
-from jaxserve.core.config import EngineConfig, ModelConfig, normalize_dtype_name
+from jaxserve.core.config import EngineConfig, ModelConfig
+from jaxserve.core.hf_families import normalize_dtype_name
 from jaxserve.default_model import DISPLAY_NAME
 from jaxserve.engine.engine_core import EngineCore
 from jaxserve.parallel.layouts import layout_rules

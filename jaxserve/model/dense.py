@@ -22,12 +22,14 @@ from jaxserve.model.weights import Weights
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array,
-                    window: int | None, scale: float) -> jax.Array:
+                    window: int | None, scale: float, soft_cap: float | None = None) -> jax.Array:
     """q: [B, S, Hq, hd]; k, v: [B, S, Hkv, hd]; key_valid: [B, S] bool -> [B, S, Hq, hd]."""
     b, s, hq, hd = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, s, hkv, hq // hkv, hd).astype(jnp.float32)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) * scale
+    if soft_cap is not None:
+        scores = jnp.tanh(scores / soft_cap) * soft_cap
     qi = jnp.arange(s)[:, None]
     ki = jnp.arange(s)[None, :]
     allowed = ki <= qi
@@ -61,10 +63,8 @@ def forward_dense(weights: Weights, cfg: ModelConfig, tokens: jax.Array, attenti
     if rope_seq_len is None:
         rope_seq_len = jnp.max(positions) + 1
     seq_lens = jnp.broadcast_to(rope_seq_len, positions.shape)
-    scale = cfg.head_dim ** -0.5
-
     def attend(i, q, k, v, cache):
-        return dense_attention(q, k, v, key_valid, cfg.layer_windows[i], scale), cache
+        return dense_attention(q, k, v, key_valid, cfg.layer_windows[i], cfg.scale, cfg.attn_soft_cap), cache
 
     logits, _ = forward(weights, cfg, tokens, positions, attend, [None] * cfg.num_layers,
                         seq_lens_per_token=seq_lens, lora=lora)

@@ -157,8 +157,7 @@ def forward(w: Eagle3Weights, cfg: Eagle3Config, embed: jax.Array, tokens: jax.A
     residual = h_normed if cfg.norm_before_residual else h
     e = rms_norm(jnp.take(embed, tokens, axis=0).astype(h.dtype), w.layer.attn_norm, c.rms_norm_eps)
     x = jnp.concatenate([e, h_normed], axis=-1)                                    # [T, 2D]
-    cos, sin = rope.cos_sin(c, positions)
-    q, k, v = qkv(w.layer, x, cos, sin, c)
+    q, k, v = qkv(w.layer, x, rope.cos_sin(c, positions), c)
     out, cache = attend(0, q, k, v, cache)
     out = out.astype(h.dtype)
     o = einsum("...hk,hkd->...d", out, w.layer.wo)

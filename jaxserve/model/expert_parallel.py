@@ -26,8 +26,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.parallel import sharding
-from jaxserve.core.config import ModelConfig, MoEConfig
-from jaxserve.model.moe import grouped_matmul, route
+from jaxserve.core.config import ModelConfig
+from jaxserve.core.layer_kinds import MoEConfig
+from jaxserve.model.moe import grouped_matmul, route, shared_expert
 from jaxserve.model.weights import LayerWeights, logical_dims
 
 MoEFn = Callable[[LayerWeights, jax.Array, MoEConfig], jax.Array]
@@ -60,18 +61,20 @@ def make_expert_parallel(mesh: Mesh, expert_axis: str, tensor_axis: str | None =
         if pad:
             x = jnp.pad(x, ((0, pad), (0, 0)))
         col, row = P(expert_axis, None, tensor_axis), P(expert_axis, tensor_axis, None)
+        bias = layer.expert_bias if layer.expert_bias is not None else jnp.zeros(moe.num_experts, jnp.float32)
         out = jax.shard_map(
-            lambda x, router, gate, up, down: _dispatch_compute_combine(x, router, gate, up, down, moe, ep,
-                                                                        expert_axis, tensor_axis),
-            mesh=mesh, in_specs=(P(), P(), col, col, row), out_specs=P(), check_vma=False,
-        )(x, layer.router, layer.we_gate, layer.we_up, layer.we_down)
-        return out[: out.shape[0] - pad].reshape(shape)
+            lambda x, router, bias, gate, up, down: _dispatch_compute_combine(x, router, bias, gate, up, down, moe, ep,
+                                                                              expert_axis, tensor_axis),
+            mesh=mesh, in_specs=(P(), P(), P(), col, col, row), out_specs=P(), check_vma=False,
+        )(x, layer.router, bias, layer.we_gate, layer.we_up, layer.we_down)
+        out = out[: out.shape[0] - pad]
+        return (out + shared_expert(layer, x[: out.shape[0]])).reshape(shape)
 
     block.__name__ = f"expert_parallel_{expert_axis}" + (f"_x_{tensor_axis}" if tensor_axis else "")
     return block
 
 
-def _dispatch_compute_combine(x: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
+def _dispatch_compute_combine(x: jax.Array, router: jax.Array, bias: jax.Array, we_gate: jax.Array, we_up: jax.Array,
                               we_down: jax.Array, moe: MoEConfig, ep: int, expert_axis: str,
                               tensor_axis: str | None) -> jax.Array:
     """One device's part. x [T, D] (all tokens); we_gate/we_up [E/ep, D, F/tp], we_down [E/ep, F/tp, D]."""
@@ -79,7 +82,7 @@ def _dispatch_compute_combine(x: jax.Array, router: jax.Array, we_gate: jax.Arra
     t = x.shape[0] // ep
     me = jax.lax.axis_index(expert_axis)
     mine = jax.lax.dynamic_slice_in_dim(x, me * t, t)                          # [t, D]
-    weights, experts = route(router, mine, moe)                                 # [t, k]
+    weights, experts = route(router, mine, moe, bias)                           # [t, k]
     flat = experts.reshape(-1)                                                  # [t k]
     order = jnp.argsort(flat, stable=True)
     expert = flat[order]                                                        # sorted expert ids

@@ -34,7 +34,10 @@ def repeat_kv(weights: Weights, factor: int) -> Weights:
             if hasattr(w, "perm"):
                 return w.replace(weight=rep(w.weight, axis))
             return jax.tree.map(lambda a: jnp.repeat(a, factor, axis=axis), w)
-        return dataclasses.replace(lw, wk=rep(lw.wk, 1), wv=rep(lw.wv, 1), bk=rep(lw.bk, 0), bv=rep(lw.bv, 0))
+        # a norm over the whole k projection ([Hkv, hd]) repeats too: every head r times leaves its mean as it was
+        k_norm = rep(lw.k_norm, 0) if lw.k_norm is not None and lw.k_norm.ndim == 2 else lw.k_norm
+        return dataclasses.replace(lw, wk=rep(lw.wk, 1), wv=rep(lw.wv, 1), bk=rep(lw.bk, 0), bv=rep(lw.bv, 0),
+                                   k_norm=k_norm)
 
     return dataclasses.replace(weights, layers=[layer(lw) for lw in weights.layers])
 

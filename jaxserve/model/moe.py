@@ -1,7 +1,9 @@
-"""A sparse mixture-of-experts MLP block (Qwen3-MoE, Mixtral) as a pure function.
+"""A sparse mixture-of-experts MLP block (Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2) as a pure function.
 
-Routing follows the Hugging Face models: router logits in the model dtype, softmax in float32 over
-all experts, the top-k, renormalised to sum to one where the config says so. Each token's k
+Routing follows the Hugging Face models: softmax in float32 over the router's logits (computed in
+the model dtype), or sigmoid scores of float32 logits whose choice adds a per-expert bias, first
+keeping the best groups of experts (`route`); the top-k, renormalised to sum to one where the config
+says so and scaled by the routed scaling factor. A shared expert adds a dense MLP. Each token's k
 (token, expert) pairs are sorted by expert so that every expert's tokens are contiguous, and the
 three expert projections run as grouped matmuls over those groups (`grouped_matmul`: tokamax's
 Mosaic / Triton ragged_dot kernels on TPU / GPU; on a CPU `jax.lax.ragged_dot`, or at decode sizes a
@@ -18,7 +20,7 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 
-from jaxserve.core.config import MoEConfig
+from jaxserve.core.layer_kinds import MoEConfig
 from jaxserve.model.matmul import einsum
 from jaxserve.model.weights import LayerWeights
 
@@ -105,21 +107,42 @@ def _nonempty_groups(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> 
     return jax.lax.fori_loop(0, rhs.shape[0], group, jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype))
 
 
-def route(router: jax.Array, x: jax.Array, moe: MoEConfig) -> tuple[jax.Array, jax.Array]:
-    """x [T, D], router [D, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""
-    logits = einsum("td,de->te", x, router)
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, moe.top_k)
+def route(router: jax.Array, x: jax.Array, moe: MoEConfig, bias: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array]:
+    """x [T, D], router [D, E], bias [E] float32 (sigmoid scoring's choice bias) -> (weights [T, k]
+    float32, expert ids [T, k] int32)."""
+    if moe.scoring == "softmax":
+        probs = jax.nn.softmax(einsum("td,de->te", x, router).astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, moe.top_k)
+    else:
+        scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32)))      # [T, E]
+        choice = scores if bias is None else scores + bias
+        if moe.topk_group < moe.n_group:  # keep the groups whose best two biased scores sum highest
+            grouped = choice.reshape(choice.shape[0], moe.n_group, -1)                        # [T, G, E/G]
+            _, keep = jax.lax.top_k(jax.lax.top_k(grouped, 2)[0].sum(-1), moe.topk_group)     # [T, topk_group]
+            kept = jnp.zeros(grouped.shape[:2], bool).at[jnp.arange(grouped.shape[0])[:, None], keep].set(True)
+            choice = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
+        _, experts = jax.lax.top_k(choice, moe.top_k)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
     if moe.renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
+    return weights * moe.routed_scale, experts.astype(jnp.int32)
+
+
+def shared_expert(layer: LayerWeights, x: jax.Array) -> jax.Array | float:
+    """The shared expert's SwiGLU MLP on x [..., D] (0 where the model has none)."""
+    if layer.ws_gate is None:
+        return 0.0
+    h = jax.nn.silu(einsum("...d,df->...f", x, layer.ws_gate)) * einsum("...d,df->...f", x, layer.ws_up)
+    return einsum("...f,fd->...d", h, layer.ws_down)
 
 
 def moe_mlp(layer: LayerWeights, x: jax.Array, moe: MoEConfig) -> jax.Array:
-    """x [..., D] -> [..., D]: the experts' SwiGLU MLPs, mixed by the router's weights."""
+    """x [..., D] -> [..., D]: the experts' SwiGLU MLPs, mixed by the router's weights, plus the
+    shared expert."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])                                                   # [T, D]
-    weights, experts = route(layer.router, x, moe)
+    weights, experts = route(layer.router, x, moe, layer.expert_bias)
     flat = experts.reshape(-1)                                                     # [T k]
     order = jnp.argsort(flat, stable=True)
     rows = jnp.take(x, order // moe.top_k, axis=0)                                 # [T k, D] by expert
@@ -128,5 +151,5 @@ def moe_mlp(layer: LayerWeights, x: jax.Array, moe: MoEConfig) -> jax.Array:
     up = grouped_matmul(rows, layer.we_up, sizes)
     out = grouped_matmul(jax.nn.silu(gate) * up, layer.we_down, sizes)            # [T k, D]
     out = jnp.zeros_like(out).at[order].set(out).reshape(x.shape[0], moe.top_k, -1)  # (token, slot) order
-    mixed = jnp.einsum("tkd,tk->td", out.astype(jnp.float32), weights)
-    return mixed.astype(x.dtype).reshape(shape)
+    mixed = jnp.einsum("tkd,tk->td", out.astype(jnp.float32), weights).astype(x.dtype)
+    return (mixed + shared_expert(layer, x)).reshape(shape)

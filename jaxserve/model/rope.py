@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.core.config import ModelConfig, RopeConfig
+from jaxserve.core.config import ModelConfig
+from jaxserve.core.layer_kinds import RopeConfig
 
 
 def _base_exponents(dim: int) -> np.ndarray:
@@ -70,9 +71,9 @@ def _yarn(rope: RopeConfig, dim: int) -> tuple[np.ndarray, float]:
     return inv.astype(np.float32), attention
 
 
-def static_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """(inv_freq [head_dim/2] float32, cos/sin scaling) for every rope type but `dynamic`."""
-    rope, dim = cfg.rope, cfg.head_dim
+def static_inv_freq(rope: RopeConfig, dim: int) -> tuple[np.ndarray, float]:
+    """(inv_freq [dim/2] float32, cos/sin scaling) for every rope type but `dynamic`; dim: the
+    rotated dims of a head."""
     if rope.rope_type == "default" or rope.rope_type == "dynamic":
         return _default_inv_freq(rope.theta, dim), 1.0
     if rope.rope_type == "linear":
@@ -84,27 +85,28 @@ def static_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     raise ValueError(f"unsupported rope type {rope.rope_type!r}")
 
 
-def _dynamic_inv_freq(cfg: ModelConfig, seq_len: jax.Array) -> jax.Array:
+def _dynamic_inv_freq(rope: RopeConfig, dim: int, max_pos: int, seq_len: jax.Array) -> jax.Array:
     """NTK-aware base stretched for sequences longer than max_position_embeddings. seq_len: [...]."""
-    rope, dim, max_pos = cfg.rope, cfg.head_dim, cfg.max_position_embeddings
     length = jnp.maximum(seq_len, max_pos).astype(jnp.float32)
     base = rope.theta * ((rope.factor * length / max_pos) - (rope.factor - 1)) ** (dim / (dim - 2))
     return 1.0 / (base[..., None] ** jnp.asarray(_base_exponents(dim)))  # [..., dim/2]
 
 
-def cos_sin(cfg: ModelConfig, positions: jax.Array, seq_lens: jax.Array | None = None
-            ) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of shape positions.shape + [head_dim], float32.
+def cos_sin(cfg: ModelConfig, positions: jax.Array, seq_lens: jax.Array | None = None,
+            rope: RopeConfig | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape positions.shape + [rotary dims], float32, for `rope` (default: the model's).
 
     seq_lens (same shape as positions) is the length of each token's sequence; only the dynamic
     rope type reads it (transformers recomputes the base from it at every forward).
     """
-    if cfg.rope.rope_type == "dynamic":
+    rope = cfg.rope if rope is None else rope
+    dim = rope.rotary_dim(cfg.head_dim)
+    if rope.rope_type == "dynamic":
         if seq_lens is None:
             raise ValueError("dynamic RoPE needs the sequence length of every token")
-        inv_freq, scale = _dynamic_inv_freq(cfg, seq_lens), 1.0
+        inv_freq, scale = _dynamic_inv_freq(rope, dim, cfg.max_position_embeddings, seq_lens), 1.0
     else:
-        inv_np, scale = static_inv_freq(cfg)
+        inv_np, scale = static_inv_freq(rope, dim)
         inv_freq = jnp.asarray(inv_np)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., dim/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -112,8 +114,12 @@ def cos_sin(cfg: ModelConfig, positions: jax.Array, seq_lens: jax.Array | None =
 
 
 def apply(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [..., heads, head_dim]; cos/sin: [..., head_dim] (broadcast over heads)."""
-    half = x.shape[-1] // 2
+    """x: [..., heads, head_dim]; cos/sin: [..., rotary dims] (broadcast over heads). Partial
+    rotary (rotary dims < head_dim): the first dims rotate, the rest pass through."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return jnp.concatenate([apply(x[..., :dim], cos, sin), x[..., dim:]], axis=-1)
+    half = dim // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[..., None, :].astype(x.dtype), sin[..., None, :].astype(x.dtype)
     return x * cos + rotated * sin

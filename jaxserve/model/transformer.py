@@ -1,8 +1,9 @@
 """The decoder-only transformer as one pure function over a weight pytree.
 
-`forward` owns everything but attention over the cache: embeddings, RMSNorm, q/k/v projections
-(with Qwen2 biases and Qwen3 q/k norms), RoPE, the SwiGLU MLP (or a sparse MoE block: model/moe.py)
-and the lm_head. Attention is a
+`forward` owns everything but attention over the cache: embeddings (scaled for Gemma), RMSNorm
+where the family puts it (before each block, around it, or after it), q/k/v projections (with
+Qwen2 biases and q/k norms), each layer's RoPE (its own base, partial, or none: cfg.layers), the
+gated MLP (or a sparse MoE block: model/moe.py), the lm_head and its soft-cap. Attention is a
 callable `attend(layer, q, k, v, cache) -> (out, cache)` so the same body serves the dense parity
 path (`model/dense.py`) and the ragged paged step (`model/paged.py`). Token axes are leading
 `...` axes: `[T]` for the ragged step, `[B, S]` for the dense path.
@@ -26,33 +27,54 @@ from jaxserve.model.weights import LayerWeights, Weights
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, cast back before the weight (transformers' order)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, style: str = "llama", axes: int = 1) -> jax.Array:
+    """RMSNorm over the last `axes` axes, computed in float32. style (ModelConfig.norm_style):
+    "llama" casts back before the weight (transformers' Llama order), "float32" applies the weight
+    in float32 then casts, "gemma" multiplies by (1 + weight) in float32 then casts."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
+    mean = jnp.mean(x32 * x32, axis=tuple(range(-axes, 0)), keepdims=True)
+    x32 = x32 * jax.lax.rsqrt(mean + eps)
+    if style == "llama":
+        return weight * x32.astype(x.dtype)
+    w32 = weight.astype(jnp.float32)
+    return (x32 * (1.0 + w32 if style == "gemma" else w32)).astype(x.dtype)
+
+
+def norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, axes: int = 1) -> jax.Array:
+    """The model's RMSNorm (its epsilon and style)."""
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_style, axes)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 def _add(x: jax.Array, bias: jax.Array | None) -> jax.Array:
     return x if bias is None else x + bias
 
 
-def qkv(layer: LayerWeights, x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
+def qkv(layer: LayerWeights, x: jax.Array, rotary: tuple[jax.Array, jax.Array] | None, cfg: ModelConfig,
         lora: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """lora: this layer's adapter factors and the tokens' slot one-hot (lora/apply.py), or None."""
+    """rotary: this layer's (cos, sin), None on a layer without RoPE; lora: this layer's adapter
+    factors and the tokens' slot one-hot (lora/apply.py), or None."""
     q = lora_apply.add(_add(einsum("...d,dhk->...hk", x, layer.wq), layer.bq), "q_proj", x, lora)
     k = lora_apply.add(_add(einsum("...d,dhk->...hk", x, layer.wk), layer.bk), "k_proj", x, lora)
     v = lora_apply.add(_add(einsum("...d,dhk->...hk", x, layer.wv), layer.bv), "v_proj", x, lora)
-    if cfg.qk_norm:
-        q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-    return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
+    if cfg.qk_norm:  # over each head, or over the whole projection ([H, hd] norm weights)
+        axes = 2 if cfg.qk_norm == "projection" else 1
+        q, k = norm(cfg, q, layer.q_norm, axes), norm(cfg, k, layer.k_norm, axes)
+    if rotary is None:
+        return q, k, v
+    return rope.apply(q, *rotary), rope.apply(k, *rotary), v
 
 
-def mlp(layer: LayerWeights, x: jax.Array, lora: Any = None) -> jax.Array:
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def mlp(layer: LayerWeights, x: jax.Array, lora: Any = None, act: str = "silu") -> jax.Array:
     gate = lora_apply.add(_add(einsum("...d,df->...f", x, layer.w_gate), layer.b_gate), "gate_proj", x, lora)
     up = lora_apply.add(_add(einsum("...d,df->...f", x, layer.w_up), layer.b_up), "up_proj", x, lora)
-    h = jax.nn.silu(gate) * up
+    h = _ACTIVATIONS[act](gate) * up
     return lora_apply.add(_add(einsum("...f,fd->...d", h, layer.w_down), layer.b_down), "down_proj", h, lora)
 
 
@@ -80,23 +102,32 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
     dispatch for an expert-parallel layout; None: moe.moe_mlp, partitioned by XLA.
     """
     x = jnp.take(weights.embed, tokens, axis=0)
-    cos, sin = rope.cos_sin(cfg, positions, seq_lens_per_token)
+    if cfg.embed_scale is not None:
+        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
+    rotary = {}  # RopeConfig -> (cos, sin): layers that share a RoPE share its tables (made in layer
+    # order, not set order: the traced program must not depend on the process's hash seed)
+    for kind in dict.fromkeys(k.rope for k in cfg.layers if k.rope is not None):
+        rotary[kind] = rope.cos_sin(cfg, positions, seq_lens_per_token, kind)
     new_caches, aux = [], []
+    pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
     for i, layer in enumerate(weights.layers):
         if i in aux_layers:
             aux.append(x)
         lo = None if lora is None else (lora.layers[i], lora.one_hot)
-        h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        q, k, v = qkv(layer, h, cos, sin, cfg, lo)
+        h = norm(cfg, x, layer.attn_norm) if pre else x
+        q, k, v = qkv(layer, h, rotary.get(cfg.layers[i].rope), cfg, lo)
         out, cache = attend(i, q, k, v, caches[i])
         new_caches.append(cache)
         out = out.astype(x.dtype)
-        x = x + lora_apply.add(_add(einsum("...hk,hkd->...d", out, layer.wo), layer.bo), "o_proj", out, lo)
-        h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-        x = x + (mlp(layer, h, lo) if layer.router is None else (moe_fn or moe_mlp)(layer, h, cfg.moe))
+        h = lora_apply.add(_add(einsum("...hk,hkd->...d", out, layer.wo), layer.bo), "o_proj", out, lo)
+        x = x + (norm(cfg, h, layer.post_attn_norm) if post else h)
+        h = norm(cfg, x, layer.mlp_norm) if pre else x
+        h = mlp(layer, h, lo, cfg.mlp_act) if layer.router is None else (moe_fn or moe_mlp)(layer, h, cfg.moe)
+        x = x + (norm(cfg, h, layer.post_mlp_norm) if post else h)
     if logits_index is not None:
         x = jnp.take(x.reshape(-1, x.shape[-1]), logits_index, axis=0)
-    x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    x = norm(cfg, x, weights.final_norm)
+    logits = soft_cap(lm_head(weights, x), cfg.final_soft_cap)
     if aux_layers:
-        return lm_head(weights, x), new_caches, jnp.concatenate(aux, axis=-1)
-    return lm_head(weights, x), new_caches
+        return logits, new_caches, jnp.concatenate(aux, axis=-1)
+    return logits, new_caches

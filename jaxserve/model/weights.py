@@ -33,12 +33,12 @@ from jaxserve.quant import host as quant_host
 
 @struct.dataclass
 class LayerWeights:
-    attn_norm: Any          # [D]
+    attn_norm: Any          # [D]   (None: norm_placement "post")
     wq: Any                 # [D, Hq, hd]
     wk: Any                 # [D, Hkv, hd]
     wv: Any                 # [D, Hkv, hd]
     wo: Any                 # [Hq, hd, D]
-    mlp_norm: Any           # [D]
+    mlp_norm: Any           # [D]   (None: norm_placement "post")
     w_gate: Any             # [D, F]
     w_up: Any               # [D, F]
     w_down: Any             # [F, D]
@@ -46,8 +46,10 @@ class LayerWeights:
     bk: Any = None          # [Hkv, hd]
     bv: Any = None          # [Hkv, hd]
     bo: Any = None          # [D]       (o_bias)
-    q_norm: Any = None      # [hd]      (qk_norm)
-    k_norm: Any = None      # [hd]
+    q_norm: Any = None      # [hd]      (qk_norm "head"; "projection": [Hq, hd])
+    k_norm: Any = None      # [hd]      ("projection": [Hkv, hd])
+    post_attn_norm: Any = None  # [D]   (norm_placement "sandwich" / "post": on the attention's output)
+    post_mlp_norm: Any = None   # [D]   (on the MLP's output)
     b_gate: Any = None      # [F]       (mlp_bias)
     b_up: Any = None        # [F]
     b_down: Any = None      # [D]
@@ -56,6 +58,10 @@ class LayerWeights:
     we_gate: Any = None     # [E, D, Fe]
     we_up: Any = None       # [E, D, Fe]
     we_down: Any = None     # [E, Fe, D]
+    expert_bias: Any = None  # [E] float32: added to sigmoid scores to choose experts (MoEConfig.score_bias)
+    ws_gate: Any = None     # [D, Fs]  the shared expert (MoEConfig.shared_size)
+    ws_up: Any = None       # [D, Fs]
+    ws_down: Any = None     # [Fs, D]
 
 
 @struct.dataclass
@@ -92,6 +98,18 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
     def p(shape, axes, init="normal"):
         return ParamSpec(tuple(shape), dtype, tuple(axes), init)
 
+    # a norm's identity weight: ones, or zeros where the norm multiplies by (1 + weight) (Gemma)
+    unit = "zeros" if cfg.norm_style == "gemma" else "ones"
+    pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
+
+    def qk_norms() -> dict[str, ParamSpec | None]:
+        if cfg.qk_norm == "projection":
+            return dict(q_norm=p([hq, hd], ["q_heads", "head_dim"], unit),
+                        k_norm=p([hkv, hd], ["kv_heads", "head_dim"], unit))
+        if cfg.qk_norm:
+            return dict(q_norm=p([hd], ["head_dim"], unit), k_norm=p([hd], ["head_dim"], unit))
+        return {}
+
     def proj(shape, axes, contract, name, quantize=True):
         """A projection: quantized under cfg.quantization, plain otherwise."""
         spec = ParamSpec(tuple(shape), dtype, tuple(axes), "normal", tuple(contract))
@@ -107,20 +125,28 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
         return dense()
 
     def experts() -> dict[str, ParamSpec]:
-        e, fe = cfg.moe.num_experts, cfg.moe.intermediate_size
-        return dict(router=p([d, e], ["embed", None]),
-                    we_gate=p([e, d, fe], ["expert", "embed", "expert_mlp"]),
-                    we_up=p([e, d, fe], ["expert", "embed", "expert_mlp"]),
-                    we_down=p([e, fe, d], ["expert", "expert_mlp", "embed"]))
+        e, fe, fs = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.moe.shared_size
+        leaves = dict(router=p([d, e], ["embed", None]),
+                      we_gate=p([e, d, fe], ["expert", "embed", "expert_mlp"]),
+                      we_up=p([e, d, fe], ["expert", "embed", "expert_mlp"]),
+                      we_down=p([e, fe, d], ["expert", "expert_mlp", "embed"]))
+        if cfg.moe.score_bias:  # float32 whatever the dtype: it breaks near-ties between experts
+            leaves["expert_bias"] = ParamSpec((e,), jnp.float32, (None,), "zeros")
+        if fs:  # a dense MLP beside the experts: split like the dense MLP in every layout
+            leaves.update(ws_gate=p([d, fs], ["embed", "mlp"]), ws_up=p([d, fs], ["embed", "mlp"]),
+                          ws_down=p([fs, d], ["mlp", "embed"]))
+        return leaves
 
     def dense() -> LayerWeights:
         return LayerWeights(
-            attn_norm=p([d], ["embed"], "ones"),
+            attn_norm=p([d], ["embed"], unit) if pre else None,
             wq=proj([d, hq, hd], ["embed", "q_heads", "head_dim"], [0], "q_proj"),
             wk=proj([d, hkv, hd], ["embed", "kv_heads", "head_dim"], [0], "k_proj"),
             wv=proj([d, hkv, hd], ["embed", "kv_heads", "head_dim"], [0], "v_proj"),
             wo=proj([hq, hd, d], ["q_heads", "head_dim", "embed"], [0, 1], "o_proj"),
-            mlp_norm=p([d], ["embed"], "ones"),
+            mlp_norm=p([d], ["embed"], unit) if pre else None,
+            post_attn_norm=p([d], ["embed"], unit) if post else None,
+            post_mlp_norm=p([d], ["embed"], unit) if post else None,
             w_gate=proj([d, f], ["embed", "mlp"], [0], "gate_proj"),
             w_up=proj([d, f], ["embed", "mlp"], [0], "up_proj"),
             w_down=proj([f, d], ["mlp", "embed"], [0], "down_proj"),
@@ -128,8 +154,7 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
             bk=p([hkv, hd], ["kv_heads", "head_dim"], "zeros") if cfg.qkv_bias else None,
             bv=p([hkv, hd], ["kv_heads", "head_dim"], "zeros") if cfg.qkv_bias else None,
             bo=p([d], ["embed"], "zeros") if cfg.o_bias else None,
-            q_norm=p([hd], ["head_dim"], "ones") if cfg.qk_norm else None,
-            k_norm=p([hd], ["head_dim"], "ones") if cfg.qk_norm else None,
+            **qk_norms(),
             b_gate=p([f], ["mlp"], "zeros") if cfg.mlp_bias else None,
             b_up=p([f], ["mlp"], "zeros") if cfg.mlp_bias else None,
             b_down=p([d], ["embed"], "zeros") if cfg.mlp_bias else None,
@@ -138,7 +163,7 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
     return Weights(
         embed=p([vp, d], ["vocab", "embed"]),
         layers=[layer(i) for i in range(cfg.num_layers)],
-        final_norm=p([d], ["embed"], "ones"),
+        final_norm=p([d], ["embed"], unit),
         lm_head=None if cfg.tie_word_embeddings else proj([d, vp], ["embed", "vocab"], [0], "lm_head",
                                                           quantize=quant is not None and quant.lm_head),
     )

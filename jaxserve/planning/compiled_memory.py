@@ -192,7 +192,7 @@ def _with_layers(cfg: ModelConfig, layers: int) -> ModelConfig:
     """The same model, `layers` deep (the first layers' attention windows)."""
     if layers == cfg.num_layers:
         return cfg
-    return dataclasses.replace(cfg, num_layers=layers, layer_windows=cfg.layer_windows[:layers])
+    return dataclasses.replace(cfg, num_layers=layers, layers=cfg.layers[:layers])
 
 
 def collectives_in(hlo_text: str) -> list[Collective]:

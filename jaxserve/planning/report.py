@@ -177,7 +177,8 @@ def run(args: argparse.Namespace, engine: Any) -> int:
     # the CUDA plugin fails at start-up on a machine without a GPU).
     jax.config.update("jax_platforms", "cpu")
 
-    from jaxserve.core.config import ModelConfig, normalize_dtype_name
+    from jaxserve.core.config import ModelConfig
+    from jaxserve.core.hf_families import normalize_dtype_name
     from jaxserve.quant.scheme import online_scheme
     from jaxserve.parallel.layouts import make_layout
     from jaxserve.planning.plan import plan_deployment, sweep

@@ -155,7 +155,7 @@ def test_all_to_all_expert_parallel_equals_the_unsharded_block(data, model, expe
     """Tokens dispatched to their experts' devices and back by all-to-all give moe_mlp's output."""
     from types import SimpleNamespace
 
-    from jaxserve.core.config import MoEConfig
+    from jaxserve.core.layer_kinds import MoEConfig
     from jaxserve.model.expert_parallel import make_expert_parallel
     from jaxserve.model.moe import moe_mlp
 

@@ -72,7 +72,7 @@ def test_sliding_window_is_exercised(tmp_path):
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(1, 30)).astype(np.int32)
     windowed = np.asarray(forward_dense(weights, cfg, jnp.asarray(ids), jnp.ones_like(jnp.asarray(ids))))
     import dataclasses
-    full_cfg = dataclasses.replace(cfg, layer_windows=(None,) * cfg.num_layers)
+    full_cfg = dataclasses.replace(cfg, layers=tuple(dataclasses.replace(k, window=None) for k in cfg.layers))
     full = np.asarray(forward_dense(weights, full_cfg, jnp.asarray(ids), jnp.ones_like(jnp.asarray(ids))))
     assert np.allclose(windowed[:, :8], full[:, :8], atol=1e-5)  # inside the window: identical
     assert np.abs(windowed[:, 8:] - full[:, 8:]).max() > 1e-3    # past it: the window matters

@@ -1,0 +1,165 @@
+"""Hugging Face tensor names -> paths in jaxserve's weight pytree, family by family.
+
+Each entry gives the path of a leaf (`("layers", i, "wq")`) and the transform from the stored
+torch Linear layout (out x in) to ours (input features first, heads as their own axis). Fused
+projections (Phi-3's qkv_proj and gate_up_proj) are split into the tensors they fuse before the
+table is consulted (`unfused`), so every family shares one table shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from jaxserve.core.config import ModelConfig
+
+Transform = Callable[[np.ndarray], np.ndarray]
+
+
+def _heads(n: int, hd: int) -> Transform:
+    """[n*hd, D] (torch Linear out x in) -> [D, n, hd]."""
+    return lambda t: t.T.reshape(t.shape[1], n, hd)
+
+
+# norm_placement -> HF norm module -> our LayerWeights field. Llama's "post_attention_layernorm" is
+# the MLP's input norm; Gemma's and OLMo 2's is on the attention's output.
+_NORMS = {
+    "pre": {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"},
+    "sandwich": {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attn_norm",
+                 "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"},
+    "post": {"post_attention_layernorm": "post_attn_norm", "post_feedforward_layernorm": "post_mlp_norm"},
+}
+
+
+def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Transform]]:
+    """A decoder layer's HF tensor names (after `model.layers.{i}.`) -> (LayerWeights field,
+    transform from the stored array)."""
+    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ident = lambda t: t  # noqa: E731
+    transpose = lambda t: t.T  # noqa: E731
+    layer = {f"{module}.weight": (field, ident) for module, field in _NORMS[cfg.norm_placement].items()}
+    layer.update({
+        "self_attn.q_proj.weight": ("wq", _heads(hq, hd)),
+        "self_attn.k_proj.weight": ("wk", _heads(hkv, hd)),
+        "self_attn.v_proj.weight": ("wv", _heads(hkv, hd)),
+        "self_attn.o_proj.weight": ("wo", lambda t: t.T.reshape(hq, hd, t.shape[0])),
+        "mlp.gate_proj.weight": ("w_gate", transpose),
+        "mlp.up_proj.weight": ("w_up", transpose),
+        "mlp.down_proj.weight": ("w_down", transpose),
+    })
+    if cfg.qkv_bias:
+        layer["self_attn.q_proj.bias"] = ("bq", lambda t: t.reshape(hq, hd))
+        layer["self_attn.k_proj.bias"] = ("bk", lambda t: t.reshape(hkv, hd))
+        layer["self_attn.v_proj.bias"] = ("bv", lambda t: t.reshape(hkv, hd))
+    if cfg.o_bias:
+        layer["self_attn.o_proj.bias"] = ("bo", ident)
+    if cfg.qk_norm == "projection":  # stored [H * hd], held [H, hd]
+        layer["self_attn.q_norm.weight"] = ("q_norm", lambda t: t.reshape(hq, hd))
+        layer["self_attn.k_norm.weight"] = ("k_norm", lambda t: t.reshape(hkv, hd))
+    elif cfg.qk_norm:
+        layer["self_attn.q_norm.weight"] = ("q_norm", ident)
+        layer["self_attn.k_norm.weight"] = ("k_norm", ident)
+    if cfg.mlp_bias:
+        layer["mlp.gate_proj.bias"] = ("b_gate", ident)
+        layer["mlp.up_proj.bias"] = ("b_up", ident)
+        layer["mlp.down_proj.bias"] = ("b_down", ident)
+    return layer
+
+
+# family -> (the MoE block's module name, the expert projections gate / up / down, where the
+# expert-choice bias is (after the block's name))
+_MOE_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), None),
+              "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), None),
+              "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "gate.e_score_correction_bias"),
+              "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2"), "e_score_correction_bias")}
+
+
+def _moe_tensors(cfg: ModelConfig, prefix: str, i: int) -> dict[str, tuple[tuple[Any, ...], Callable]]:
+    """A sparse layer's HF tensors: the router (and its choice bias, shared expert), and each
+    expert's projections as one entry per expert (path ("layers", i, field, e)), stacked into the
+    [E, ...] leaf by load_weights."""
+    block, projections, bias = _MOE_NAMES[cfg.family]
+    table: dict[str, tuple[tuple[Any, ...], Callable]] = {
+        f"{prefix}{block}.gate.weight": (("layers", i, "router"), lambda t: t.T)}
+    if cfg.moe.score_bias:
+        table[f"{prefix}{block}.{bias}"] = (("layers", i, "expert_bias"), lambda t: t)
+    if cfg.moe.shared_size:
+        for name, field in zip(("gate_proj", "up_proj", "down_proj"), ("ws_gate", "ws_up", "ws_down")):
+            table[f"{prefix}{block}.shared_experts.{name}.weight"] = (("layers", i, field), lambda t: t.T)
+    for e in range(cfg.moe.num_experts):
+        for name, field in zip(projections, ("we_gate", "we_up", "we_down")):
+            table[f"{prefix}{block}.experts.{e}.{name}.weight"] = (("layers", i, field, e), lambda t: t.T)
+    return table
+
+
+def name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Transform]]:
+    """HF tensor name -> (path into Weights, transform from the stored array)."""
+    ident = lambda t: t  # noqa: E731
+    table: dict[str, tuple[tuple[Any, ...], Callable]] = {  # the vocabulary is padded as placed (_VOCAB_AXIS)
+        "model.embed_tokens.weight": (("embed",), ident),
+        "model.norm.weight": (("final_norm",), ident),
+    }
+    if not cfg.tie_word_embeddings:
+        table["lm_head.weight"] = (("lm_head",), lambda t: t.T)
+    layer = layer_tensors(cfg)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        if cfg.moe is not None and cfg.moe.layers[i]:
+            table.update(_moe_tensors(cfg, p, i))
+            for suffix, (field, fn) in layer.items():
+                if not suffix.startswith("mlp."):
+                    table[p + suffix] = (("layers", i, field), fn)
+            continue
+        for suffix, (field, fn) in layer.items():
+            table[p + suffix] = (("layers", i, field), fn)
+    return table
+
+
+# families whose checkpoints carry multi-token-prediction layers after the decoder's (GLM-4.5's
+# num_nextn_predict_layers): served as the decoder alone, so their tensors are not read
+_MTP_LAYERS = ("glm4_moe",)
+
+
+def is_mtp_layer(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of a layer past the decoder's num_layers, in a family that stores MTP layers there."""
+    prefix, _, rest = name.partition("model.layers.")
+    index = rest.partition(".")[0]
+    return cfg.family in _MTP_LAYERS and not prefix and index.isdigit() and int(index) >= cfg.num_layers
+
+
+def _fused_parts(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """A fused module's tensor suffix -> the tensors it holds, in order, with their rows."""
+    if cfg.family != "phi3":
+        return {}
+    hd = cfg.head_dim
+    return {"self_attn.qkv_proj.weight": [("self_attn.q_proj.weight", cfg.num_heads * hd),
+                                          ("self_attn.k_proj.weight", cfg.num_kv_heads * hd),
+                                          ("self_attn.v_proj.weight", cfg.num_kv_heads * hd)],
+            "mlp.gate_up_proj.weight": [("mlp.gate_proj.weight", cfg.intermediate_size),
+                                        ("mlp.up_proj.weight", cfg.intermediate_size)]}
+
+
+def unfused(tensors: Iterator[tuple[str, Callable[[], np.ndarray]]], cfg: ModelConfig
+            ) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+    """(name, read) per tensor, a fused projection given as the tensors it fuses (row slices of it,
+    read when asked for: a memory map's slice stays a map)."""
+    parts = _fused_parts(cfg)
+    for name, read in tensors:
+        prefix, _, suffix = name.partition(".layers.")
+        index, _, module = suffix.partition(".")
+        if module not in parts:
+            yield name, read
+            continue
+        total = sum(rows for _, rows in parts[module])
+        start = 0
+        read = functools.cache(read)  # one read for all its parts (they are consumed one after another)
+        for part, rows in parts[module]:
+            def read_part(read=read, start=start, rows=rows, name=name) -> np.ndarray:
+                whole = read()
+                if whole.shape[0] != total:
+                    raise ValueError(f"tensor {name!r} has {whole.shape[0]} rows; config.json gives {total}")
+                return whole[start:start + rows]
+            yield f"{prefix}.layers.{index}.{part}", read_part
+            start += rows

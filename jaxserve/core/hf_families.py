@@ -1,0 +1,303 @@
+"""A Hugging Face `config.json` read into a `ModelConfig`, family by family.
+
+A family fixes the parts a config does not spell out (Qwen2's q/k/v biases, Gemma's sandwich norms
+and scaled embeddings, OLMo 2's norms after each block); the config gives the rest, per layer where
+it varies (`layer_types`, `sliding_window`, `no_rope_layers`, per-layer-type `rope_parameters`).
+Anything that cannot be served faithfully raises a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxserve.core.layer_kinds import LayerKind, MoEConfig, RopeConfig
+
+_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
+                "float": "float32"}
+
+
+def normalize_dtype_name(name: str) -> str:
+    """'bf16', 'torch.bfloat16', 'half', ... -> 'float32' | 'bfloat16' | 'float16'."""
+    key = str(name).replace("torch.", "")
+    if key not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {name!r}; use float32, bfloat16 or float16")
+    return _DTYPE_NAMES[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What a family's modeling code fixes, whatever its config says."""
+    qkv_bias: bool | None = None    # None: config.json's attention_bias decides
+    o_bias: bool | None = None
+    qk_norm: str = ""               # "" | "head" | "projection" (ModelConfig.qk_norm)
+    norm_placement: str = "pre"     # "pre" | "sandwich" | "post"
+    norm_style: str = "llama"       # "llama" | "float32" | "gemma"
+    gemma_scaling: bool = False     # embeddings x sqrt(hidden), query_pre_attn_scalar, soft-caps
+    window_every_layer: bool = False  # one sliding_window for every layer (Mistral, Mixtral, Phi-3)
+    window_pattern: int = 0         # configs without layer_types: layer i slides unless (i + 1) % pattern == 0
+
+
+FAMILIES = {
+    "llama": Family(),
+    "mistral": Family(window_every_layer=True),
+    "qwen2": Family(qkv_bias=True, o_bias=False),
+    "qwen3": Family(qk_norm="head"),
+    "qwen3_moe": Family(qk_norm="head"),
+    "mixtral": Family(window_every_layer=True),
+    "gemma2": Family(o_bias=False, norm_placement="sandwich", norm_style="gemma", gemma_scaling=True,
+                     window_pattern=2),
+    "gemma3": Family(o_bias=False, qk_norm="head", norm_placement="sandwich", norm_style="gemma",
+                     gemma_scaling=True, window_pattern=6),
+    "olmo2": Family(qk_norm="projection", norm_placement="post", norm_style="float32"),
+    "smollm3": Family(),
+    "phi3": Family(qkv_bias=False, o_bias=False, window_every_layer=True),
+    "glm4_moe": Family(o_bias=False),
+    "minimax_m2": Family(qk_norm="projection"),
+}
+# architecture name -> family
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Olmo2ForCausalLM": "olmo2",
+    "SmolLM3ForCausalLM": "smollm3",
+    "Phi3ForCausalLM": "phi3",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
+}
+_MODEL_TYPES = {"gemma3_text": "Gemma3ForCausalLM"}  # model_type -> architecture, where not the family name
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+# fields whose meaning we do not serve: named in the refusal
+_REFUSED = {"use_bidirectional_attention": "bidirectional attention", "attention_chunk_size": "chunked attention"}
+
+
+def _require(cfg: dict, key: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ValueError(f"config.json is missing required field '{key}'")
+    return cfg[key]
+
+
+def _positive_int(cfg: dict, key: str) -> int:
+    value = _require(cfg, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"config.json field '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _parse_rope(params: dict, cfg: dict, max_pos: int, where: str = "rope_parameters") -> RopeConfig:
+    """One RoPE from its parameters (transformers 5's rope_parameters, or a legacy rope_scaling
+    merged in), with the config's top-level rope_theta / partial_rotary_factor as fallbacks."""
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE type '{rope_type}' in config.json ({where}.rope_type); "
+                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    fraction = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if fraction is None:  # MiniMax-M2's released configs give the rotated dims instead
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        fraction = cfg["rotary_dim"] / head_dim if cfg.get("rotary_dim") else 1.0
+    if not 0 < fraction <= 1:
+        raise ValueError(f"config.json field 'partial_rotary_factor' must be in (0, 1], got {fraction!r}")
+    factor = params.get("factor", 1.0)
+    if rope_type not in ("default", "yarn") and (factor is None or factor <= 0):
+        raise ValueError(f"RoPE type '{rope_type}' needs a positive 'factor', got {factor!r}")
+    original = params.get("original_max_position_embeddings")
+    if rope_type == "llama3" and original is None:
+        raise ValueError("RoPE type 'llama3' needs 'original_max_position_embeddings'")
+    if rope_type == "yarn":
+        if original is None:
+            original = max_pos
+        if factor is None:
+            factor = max_pos / original
+    return RopeConfig(
+        rope_type=rope_type, theta=float(theta), factor=float(factor if factor is not None else 1.0),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)),
+        partial_rotary_factor=float(fraction),
+    )
+
+
+def _ropes_by_layer_type(cfg: dict, max_pos: int) -> dict[str, RopeConfig]:
+    """layer type -> its RoPE: one for all ("*"), or one per type where rope_parameters is keyed by
+    layer type (Gemma 3: a local base for sliding layers, a scaled global one for full ones)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        return {kind: _parse_rope(p, cfg, max_pos, f"rope_parameters.{kind}") for kind, p in params.items()}
+    params = dict(params or {})
+    for key, value in (cfg.get("rope_scaling") or {}).items():
+        params.setdefault(key, value)
+    ropes = {"*": _parse_rope(params, cfg, max_pos)}
+    if cfg.get("rope_local_base_freq") is not None:  # older Gemma 3 configs: the sliding layers' base
+        ropes["sliding_attention"] = _parse_rope({"rope_theta": cfg["rope_local_base_freq"]}, cfg, max_pos)
+    return ropes
+
+
+def _layer_types(cfg: dict, family: str, num_layers: int) -> list[str]:
+    """Each layer's attention type: 'full_attention' or 'sliding_attention'."""
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"config.json field 'layer_types' has {len(layer_types)} entries for "
+                             f"{num_layers} layers")
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"config.json field 'layer_types' has unsupported entries {sorted(unknown)}")
+        if "sliding_attention" in layer_types and not window:
+            raise ValueError("config.json has sliding_attention layers but no 'sliding_window'")
+        if family == "smollm3" and not cfg.get("use_sliding_window"):
+            return ["full_attention"] * num_layers  # SmolLM3 reads layer_types only with the flag on
+        return list(layer_types)
+    if FAMILIES[family].window_pattern and window:
+        pattern = cfg.get("sliding_window_pattern") or FAMILIES[family].window_pattern
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if FAMILIES[family].window_every_layer:
+        return ["sliding_attention" if window else "full_attention"] * num_layers
+    if cfg.get("use_sliding_window") and window:
+        # Older Qwen2 configs: layers from max_window_layers on use the window.
+        first = cfg.get("max_window_layers", num_layers)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return ["full_attention"] * num_layers
+
+
+def _layer_kinds(cfg: dict, family: str, num_layers: int, max_pos: int) -> tuple[LayerKind, ...]:
+    ropes = _ropes_by_layer_type(cfg, max_pos)
+    window = cfg.get("sliding_window")
+    uses_rope = cfg.get("no_rope_layers") if family == "smollm3" else None  # 1: RoPE, 0: none (NoPE)
+    if uses_rope is not None and len(uses_rope) != num_layers:
+        raise ValueError(f"config.json field 'no_rope_layers' has {len(uses_rope)} entries for {num_layers} layers")
+    kinds = []
+    for i, kind in enumerate(_layer_types(cfg, family, num_layers)):
+        if kind not in ropes and "*" not in ropes:
+            raise ValueError(f"config.json field 'rope_parameters' has no entry for layer type '{kind}'")
+        rope = ropes.get(kind, ropes.get("*"))
+        kinds.append(LayerKind(window=window if kind == "sliding_attention" else None,
+                               rope=rope if uses_rope is None or uses_rope[i] else None))
+    return tuple(kinds)
+
+
+def _parse_moe(cfg: dict, family: str, num_layers: int) -> MoEConfig | None:
+    """The MoE fields of a sparse family's config.json (None for dense families)."""
+    sigmoid: dict[str, Any] = {}
+    if family == "mixtral":
+        experts, width, renormalize = _positive_int(cfg, "num_local_experts"), _positive_int(cfg, "intermediate_size"), True
+        layers = (True,) * num_layers
+    elif family == "qwen3_moe":
+        key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+        experts, width = _positive_int(cfg, key), _positive_int(cfg, "moe_intermediate_size")
+        renormalize = bool(cfg.get("norm_topk_prob", False))
+        step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
+        layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    elif family == "glm4_moe":
+        experts, width = _positive_int(cfg, "n_routed_experts"), _positive_int(cfg, "moe_intermediate_size")
+        renormalize = bool(cfg.get("norm_topk_prob", True))
+        layers = tuple(i >= cfg.get("first_k_dense_replace", 1) for i in range(num_layers))
+        groups = cfg.get("n_group") or 1
+        if experts % groups or experts // groups < 2:
+            raise ValueError(f"config.json n_group {groups} must split the {experts} experts into groups of >= 2")
+        sigmoid = dict(scoring="sigmoid", score_bias=True, n_group=groups, topk_group=cfg.get("topk_group") or 1,
+                       routed_scale=float(cfg.get("routed_scaling_factor", 1.0)),
+                       shared_size=width * (cfg.get("n_shared_experts") or 0))
+        if not 1 <= sigmoid["topk_group"] <= groups:
+            raise ValueError(f"config.json topk_group {sigmoid['topk_group']} must be in 1..n_group ({groups})")
+    elif family == "minimax_m2":
+        experts, width, renormalize = _positive_int(cfg, "num_local_experts"), _positive_int(cfg, "intermediate_size"), True
+        layers = (True,) * num_layers
+        sigmoid = dict(scoring="sigmoid", score_bias=True)
+    else:
+        return None
+    top_k = _positive_int(cfg, "num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(f"config.json num_experts_per_tok {top_k} exceeds the {experts} experts")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError("config.json has a gated shared expert (shared_expert_intermediate_size); not supported")
+    return MoEConfig(experts, top_k, width, renormalize, layers, **sigmoid)
+
+
+def _architecture(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is not None:
+        return arch
+    model_type = cfg.get("model_type")
+    by_type = {**{v: k for k, v in SUPPORTED_ARCHITECTURES.items()}, **_MODEL_TYPES}
+    if not archs and model_type in by_type:
+        return by_type[model_type]
+    raise ValueError(f"unsupported architecture {archs or model_type!r}; supported: "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _soft_cap(cfg: dict, key: str) -> float | None:
+    value = cfg.get(key)
+    if value is not None and not value > 0:
+        raise ValueError(f"config.json field '{key}' must be > 0 or null, got {value!r}")
+    return None if value is None else float(value)
+
+
+def parse_hf_config(cfg: dict) -> dict[str, Any]:
+    """ModelConfig's fields from a parsed config.json."""
+    arch = _architecture(cfg)
+    family_name = SUPPORTED_ARCHITECTURES[arch]
+    family = FAMILIES[family_name]
+    for key, what in _REFUSED.items():
+        if cfg.get(key):
+            raise ValueError(f"config.json field '{key}' ({what}) is not supported")
+    # Gemma writes hidden_activation (hidden_act may be there too, unused by its modeling code)
+    act_key = "hidden_activation" if family.gemma_scaling and cfg.get("hidden_activation") else "hidden_act"
+    act = cfg.get(act_key, "silu")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"unsupported config.json '{act_key}' {act!r}; supported: {', '.join(_ACTIVATIONS)}")
+    hidden = _positive_int(cfg, "hidden_size")
+    num_layers = _positive_int(cfg, "num_hidden_layers")
+    num_heads = _positive_int(cfg, "num_attention_heads")
+    num_kv = cfg.get("num_key_value_heads") or num_heads
+    if num_heads % num_kv:
+        raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv})")
+    head_dim = cfg.get("head_dim") or hidden // num_heads
+    max_pos = _positive_int(cfg, "max_position_embeddings")
+    raw_dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    try:
+        dtype_name = normalize_dtype_name(raw_dtype)
+    except ValueError:
+        raise ValueError(f"unsupported config.json 'dtype' {raw_dtype!r}") from None
+    attention_bias = bool(cfg.get("attention_bias", False))
+    quantization = None
+    if cfg.get("quantization_config") is not None:
+        from jaxserve.quant.hf_config import scheme_from_hf
+        quantization = scheme_from_hf(cfg["quantization_config"])
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    gemma = family.gemma_scaling
+    return dict(
+        architecture=arch, family=family_name,
+        vocab_size=_positive_int(cfg, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_positive_int(cfg, "intermediate_size"), num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+        o_bias=attention_bias if family.o_bias is None else family.o_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm="head" if family_name == "glm4_moe" and cfg.get("use_qk_norm") else family.qk_norm,
+        layers=_layer_kinds(cfg, family_name, num_layers, max_pos),
+        dtype=dtype_name,
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, quantization=quantization,
+        moe=_parse_moe(cfg, family_name, num_layers),
+        norm_placement=family.norm_placement, norm_style=family.norm_style, mlp_act=_ACTIVATIONS[act],
+        embed_scale=float(hidden) ** 0.5 if gemma else None,
+        attention_scale=float(_require(cfg, "query_pre_attn_scalar")) ** -0.5 if gemma else None,
+        attn_soft_cap=_soft_cap(cfg, "attn_logit_softcapping") if gemma else None,
+        final_soft_cap=_soft_cap(cfg, "final_logit_softcapping") if gemma else None,
+    )

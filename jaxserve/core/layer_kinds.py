@@ -1,0 +1,58 @@
+"""What varies along a decoder stack, as data: each layer's attention (window, RoPE) and the
+sparse MLP's routing. `ModelConfig` (config.py) holds them; hf_families.py reads them from a
+Hugging Face config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    partial_rotary_factor: float = 1.0  # the share of each head's dims rotated (the first ones); the rest pass
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Sparse mixture-of-experts MLPs. Routing: "softmax" over the router's logits (Qwen3-MoE,
+    Mixtral), or "sigmoid" scores whose choice adds a learned per-expert bias and may first keep the
+    best `topk_group` of `n_group` expert groups (GLM-4.5, MiniMax-M2, DeepSeek-V3); the top-k
+    weights renormalised to sum to one where the model says so, then scaled by `routed_scale`.
+    A shared expert (a dense gated MLP of width `shared_size`) adds to every token's output."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int         # each expert's MLP width
+    renormalize: bool              # Mixtral always; Qwen3-MoE: norm_topk_prob
+    layers: tuple[bool, ...]       # per layer: a sparse MoE block (else the dense MLP)
+    scoring: str = "softmax"       # "softmax" | "sigmoid"
+    score_bias: bool = False       # sigmoid: a learned bias (e_score_correction_bias) added for the choice only
+    n_group: int = 1               # groups of experts, ranked by the sum of their best two biased scores
+    topk_group: int = 1            # groups kept before the top-k
+    routed_scale: float = 1.0      # routed_scaling_factor
+    shared_size: int = 0           # the shared expert's MLP width (0: none)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What one decoder layer's attention is: a stack of 2026 mixes kinds (gpt-oss and Gemma
+    alternate sliding and full layers, Gemma 3 gives each its own RoPE base, SmolLM3 drops RoPE
+    on every fourth layer)."""
+    window: int | None = None                  # sliding window in tokens (q - k < window); None: full
+    rope: RopeConfig | None = RopeConfig()     # this layer's RoPE; None: no rotary embedding (NoPE)

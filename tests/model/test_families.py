@@ -1,0 +1,161 @@
+"""The layer kinds of 2026 (issue 42) against transformers' PyTorch models: Gemma 2 and 3, OLMo 2,
+SmolLM3, Phi-3, GLM-4.5 and MiniMax-M2 — full-sequence logits, each kind's feature shown to matter, greedy generation
+through the engine (prompts past the sliding window and the step's token budget, with preemption
+and a prefix-cache hit), and tensor parallelism over fake devices equal to one device."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints import load_model
+from checkpoints.hf import load_weights
+from engine_utils import greedy, make_core, run_all
+from hf_models import FAMILY_VARIANTS, make_hf_model
+from jaxserve.core.config import ModelConfig
+from jaxserve.core.request import Request
+from jaxserve.model import weights as W
+from jaxserve.model.dense import forward_dense
+from jaxserve.parallel.sharding import make_mesh
+
+from test_parity import _hf_generate, _hf_logits, assert_logits_close
+
+FAMILIES = sorted(FAMILY_VARIANTS)
+# past the window (8) and the step's token budget (32): the long prompt is prefilled in chunks
+PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [60, 3, 3, 88, 12, 19, 4, 70, 21, 11, 56, 8, 23], list(range(3, 45))]
+IDS = np.random.default_rng(1).integers(0, 96, size=(2, 40)).astype(np.int32)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    path, model = make_hf_model(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, path, model
+
+
+def _logits(weights, cfg: ModelConfig) -> np.ndarray:
+    return np.asarray(forward_dense(weights, cfg, jnp.asarray(IDS), jnp.ones_like(jnp.asarray(IDS))))
+
+
+def test_full_sequence_logits_match_transformers(family):
+    _, path, model = family
+    cfg, weights = load_model(path, make_mesh(1, 1))
+    assert_logits_close(_logits(weights, cfg), _hf_logits(model, IDS, np.ones_like(IDS)))
+
+
+def _without(name: str, cfg: ModelConfig) -> ModelConfig:
+    """The config with the feature of the family `name` removed (its parity would be vacuous if
+    the tiny model's logits did not depend on it)."""
+    kinds = cfg.layers
+    if name == "gemma2":    # the soft-caps
+        return dataclasses.replace(cfg, attn_soft_cap=None, final_soft_cap=None)
+    if name == "gemma3":    # a RoPE per layer type: every layer on the full layers' one
+        return dataclasses.replace(cfg, layers=tuple(dataclasses.replace(k, rope=cfg.rope) for k in kinds))
+    if name == "olmo2":     # q/k norms over the whole projection: over each head instead
+        return dataclasses.replace(cfg, qk_norm="head")
+    if name == "smollm3":   # the NoPE layer: RoPE everywhere
+        return dataclasses.replace(cfg, layers=tuple(dataclasses.replace(k, rope=cfg.rope) for k in kinds))
+    if name == "phi3":      # partial rotary: every dim rotated
+        rope = dataclasses.replace(cfg.rope, partial_rotary_factor=1.0)
+        return dataclasses.replace(cfg, layers=tuple(dataclasses.replace(k, rope=rope) for k in kinds))
+    if name == "glm4_moe":  # experts chosen in the best 2 of 4 groups: from all of them
+        return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, topk_group=cfg.moe.n_group))
+    if name == "minimax_m2":  # experts chosen by score + bias: by score alone
+        return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, score_bias=False))
+    raise AssertionError(name)
+
+
+def test_each_family_feature_changes_the_logits(family):
+    name, path, _ = family
+    cfg, weights = load_model(path, make_mesh(1, 1))
+    full = _logits(weights, cfg)
+    if name == "olmo2":  # per-head norms read [hd] weights: give them the first head's
+        weights = weights.replace(layers=[lw.replace(q_norm=lw.q_norm[0], k_norm=lw.k_norm[0]) for lw in weights.layers])
+    if name == "minimax_m2":
+        weights = weights.replace(layers=[lw.replace(expert_bias=None) for lw in weights.layers])
+    assert np.abs(_logits(weights, _without(name, cfg)) - full).max() > 1e-3
+
+
+# family -> each layer's (window, RoPE base or None), as its config.json says
+LAYER_KINDS = {"gemma2": [(8, 10000.0), (None, 10000.0), (8, 10000.0)],
+               "gemma3": [(8, 10000.0), (None, 1e6), (8, 10000.0)],
+               "olmo2": [(None, 10000.0)] * 3, "phi3": [(8, 10000.0)] * 3,
+               "smollm3": [(None, 2000000.0), (None, 2000000.0), (None, None)],
+               "glm4_moe": [(None, 10000.0)] * 3, "minimax_m2": [(None, 10000.0)] * 3}
+
+
+def test_configs_carry_the_layer_kinds(family):
+    name, path, _ = family
+    cfg = ModelConfig.from_hf(path)
+    assert [(k.window, k.rope and k.rope.theta) for k in cfg.layers] == LAYER_KINDS[name]
+    if name.startswith("gemma"):
+        assert cfg.scale == 24 ** -0.5 and cfg.embed_scale == 8.0 and cfg.norm_style == "gemma"
+        assert cfg.norm_placement == "sandwich" and cfg.mlp_act == "gelu_tanh"
+    if name == "gemma3":
+        assert cfg.rope.rope_type == "linear" and cfg.rope.factor == 8.0 and cfg.qk_norm == "head"
+    if name == "phi3":
+        assert cfg.rope.rotary_dim(cfg.head_dim) == 4
+    if name == "olmo2":
+        assert cfg.norm_placement == "post" and cfg.qk_norm == "projection"
+    if name == "glm4_moe":
+        assert cfg.moe.layers == (False, True, True) and cfg.moe.shared_size == 32 and cfg.qk_norm == "head"
+        assert (cfg.moe.scoring, cfg.moe.n_group, cfg.moe.topk_group, cfg.moe.routed_scale) == ("sigmoid", 4, 2, 2.5)
+        assert cfg.rope.rotary_dim(cfg.head_dim) == 8 and cfg.qkv_bias and not cfg.o_bias
+    if name == "minimax_m2":
+        assert cfg.moe.score_bias and cfg.qk_norm == "projection" and cfg.rope.rotary_dim(cfg.head_dim) == 8
+
+
+def test_engine_greedy_with_preemption_and_a_prefix_hit_equals_generate(family):
+    """20 pages of 4 tokens cannot hold the three sequences at once (26 pages at the end): the
+    engine preempts and recomputes; the long prompt sent again then reuses its cached pages."""
+    _, path, model = family
+    cfg, weights = load_model(path, make_mesh(1, 1))
+    core = make_core(cfg, weights, num_kv_pages=20, max_model_len=64)
+    got = run_all(core, [Request(f"r{i}", p, greedy(12)) for i, p in enumerate(PROMPTS)])
+    expected = [_hf_generate(model, [p], 12)[0] for p in PROMPTS]
+    assert [got[f"r{i}"][0] for i in range(len(PROMPTS))] == expected
+    assert core.stats().num_preemptions > 0
+    before = core.num_prefill_tokens
+    again = run_all(core, [Request("again", PROMPTS[2], greedy(12))])
+    assert core.num_prefill_tokens - before < len(PROMPTS[2])  # a prefix-cache hit
+    assert again["again"][0] == expected[2]
+    assert core.runner.compilations_after_warmup == 0
+
+
+def test_engine_on_four_devices_equals_transformers(family):
+    """A 4-way model axis over 2 KV heads: heads duplicated (with OLMo 2's k-norm weights), the
+    attention kernel shard-mapped over them."""
+    _, path, model = family
+    mesh = make_mesh(1, 4)
+    cfg, weights = load_model(path, mesh)
+    core = make_core(cfg, weights, mesh=mesh)
+    assert core.runner.model_cfg.num_kv_heads == 4
+    got = run_all(core, [Request(f"r{i}", p, greedy(8)) for i, p in enumerate(PROMPTS)])
+    for i, p in enumerate(PROMPTS):
+        assert got[f"r{i}"][0] == _hf_generate(model, [p], 8)[0], i
+
+
+def test_tensor_parallel_logits_equal_one_device(family):
+    _, path, _ = family
+    cfg = ModelConfig.from_hf(path)
+    one = _logits(load_weights(path, cfg, make_mesh(1, 1)), cfg)
+    placed = jax.device_put(load_weights(path, cfg, make_mesh(1, 1)), W.shardings(W.abstract(cfg), cfg, make_mesh(1, 2)))
+    np.testing.assert_allclose(_logits(placed, cfg), one, rtol=2e-5, atol=2e-5)
+
+
+def test_glm_checkpoints_multi_token_prediction_layers_are_not_read(tmp_path):
+    """GLM-4.5 stores its MTP layer as layer num_hidden_layers: served as the decoder alone. A layer
+    past the decoder in any other family is still an unexpected tensor."""
+    from safetensors.numpy import save_file
+
+    path, model = make_hf_model("glm4_moe", tmp_path / "glm")
+    save_file({"model.layers.3.eh_proj.weight": np.zeros((64, 128), np.float32)}, str(path / "mtp.safetensors"))
+    cfg, weights = load_model(path, make_mesh(1, 1))
+    assert_logits_close(_logits(weights, cfg), _hf_logits(model, IDS, np.ones_like(IDS)))
+    other, _ = make_hf_model("olmo2", tmp_path / "olmo2")
+    save_file({"model.layers.3.eh_proj.weight": np.zeros((64, 128), np.float32)}, str(other / "mtp.safetensors"))
+    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.3.eh_proj.weight'"):
+        load_model(other, make_mesh(1, 1))
