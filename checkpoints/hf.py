@@ -27,6 +27,7 @@ from checkpoints.hf_names import is_mtp_layer, name_table, unfused
 from jaxserve.core.config import ModelConfig
 from jaxserve.model import weights as W
 from jaxserve.quant import host as quant_host
+from jaxserve.quant import mxfp4
 from jaxserve.parallel.sharding import DEFAULT_RULES, Rules, put
 
 # Tensors transformers may store that carry no weights we need.
@@ -147,8 +148,19 @@ _VOCAB_AXIS = {("embed",): 0, ("lm_head",): 1}
 
 
 def _stored_shape(path: tuple[Any, ...], shape: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...]:
+    """The shape a checkpoint stores for a leaf declared `shape`: the vocabulary unpadded, and packed
+    MXFP4 experts at their own width (weights.abstract pads it: mxfp4.padded_width)."""
     axis = _VOCAB_AXIS.get(path)
-    return shape if axis is None else shape[:axis] + (cfg.vocab_size,) + shape[axis + 1:]
+    if axis is not None:
+        return shape[:axis] + (cfg.vocab_size,) + shape[axis + 1:]
+    if cfg.moe is not None and cfg.moe.expert_format == "mxfp4" and len(path) >= 3:
+        width = cfg.moe.intermediate_size
+        field, part = path[2], path[3] if len(path) == 4 else None
+        if field in ("we_gate", "we_up", "be_gate", "be_up"):   # [E, Fe, ...] blocks / scales, [E, Fe] biases
+            return shape[:1] + (width,) + shape[2:]
+        if field == "we_down" and part is not None:              # [E, D, Fe / 32, ...]
+            return shape[:2] + (width // mxfp4.BLOCK,) + shape[3:]
+    return shape
 
 
 def _zero_padded(part: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -195,8 +207,12 @@ def _get(tree: Any, path: tuple[Any, ...]) -> Any:
 
 
 def _set(tree: W.Weights, path: tuple[Any, ...], value: Any) -> W.Weights:
+    """`value` at `path`: a leaf, or one part of a struct leaf (("layers", i, field, part): a packed
+    MXFP4 projection's blocks or scales)."""
     if path[0] == "layers":
         layers = list(tree.layers)
+        if len(path) == 4:
+            value = getattr(layers[path[1]], path[2]).replace(**{path[3]: value})
         layers[path[1]] = layers[path[1]].replace(**{path[2]: value})
         return tree.replace(layers=layers)
     return tree.replace(**{path[0]: value})
@@ -270,7 +286,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
             raise ValueError(f"unexpected tensor {name!r} in {model_dir} for a {cfg.architecture} config")
         seen.add(name)
         path, transform = table[name]
-        expert = path[3] if len(path) == 4 else None  # one expert's slice of a stacked [E, ...] leaf
+        # one expert's slice of a stacked [E, ...] leaf (an int last), or a part of a struct leaf (a name)
+        expert = path[3] if len(path) == 4 and isinstance(path[3], int) else None
         path = path[:3] if expert is not None else path
         spec = _get(spec_tree, path)
         online = W.is_quantized(spec)

@@ -55,6 +55,8 @@ def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Transform]]:
         layer["self_attn.v_proj.bias"] = ("bv", lambda t: t.reshape(hkv, hd))
     if cfg.o_bias:
         layer["self_attn.o_proj.bias"] = ("bo", ident)
+    if cfg.attention_sinks:
+        layer["self_attn.sinks"] = ("sinks", ident)
     if cfg.qk_norm == "projection":  # stored [H * hd], held [H, hd]
         layer["self_attn.q_norm.weight"] = ("q_norm", lambda t: t.reshape(hq, hd))
         layer["self_attn.k_norm.weight"] = ("k_norm", lambda t: t.reshape(hkv, hd))
@@ -76,15 +78,35 @@ _MOE_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), None),
               "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2"), "e_score_correction_bias")}
 
 
+def _stacked_expert_tensors(cfg: ModelConfig, prefix: str, i: int) -> dict[str, tuple[tuple[Any, ...], Callable]]:
+    """gpt-oss: the experts as stacked tensors, input features first (gate_up_proj [E, D, 2F] with
+    gate and up interleaved, split by `unfused`), or packed MXFP4 (`_blocks`, `_scales`: parts of
+    one Mxfp4 leaf, path (..., field, part)); biased, and a biased router."""
+    ident = lambda t: t  # noqa: E731
+    m = f"{prefix}mlp."
+    table = {m + "router.weight": (("layers", i, "router"), lambda t: t.T),
+             m + "router.bias": (("layers", i, "router_bias"), ident)}
+    for name, field in (("gate_proj", "we_gate"), ("up_proj", "we_up"), ("down_proj", "we_down")):
+        if cfg.moe.expert_format == "mxfp4":
+            for part in ("blocks", "scales"):
+                table[f"{m}experts.{name}_{part}"] = (("layers", i, field, part), ident)
+        else:
+            table[f"{m}experts.{name}"] = (("layers", i, field), ident)
+        table[f"{m}experts.{name}_bias"] = (("layers", i, "b" + field[1:]), ident)
+    return table
+
+
 def _moe_tensors(cfg: ModelConfig, prefix: str, i: int) -> dict[str, tuple[tuple[Any, ...], Callable]]:
     """A sparse layer's HF tensors: the router (and its choice bias, shared expert), and each
     expert's projections as one entry per expert (path ("layers", i, field, e)), stacked into the
     [E, ...] leaf by load_weights."""
+    if cfg.family == "gpt_oss":
+        return _stacked_expert_tensors(cfg, prefix, i)
     block, projections, bias = _MOE_NAMES[cfg.family]
     table: dict[str, tuple[tuple[Any, ...], Callable]] = {
         f"{prefix}{block}.gate.weight": (("layers", i, "router"), lambda t: t.T)}
     if cfg.moe.score_bias:
-        table[f"{prefix}{block}.{bias}"] = (("layers", i, "expert_bias"), lambda t: t)
+        table[f"{prefix}{block}.{bias}"] = (("layers", i, "choice_bias"), lambda t: t)
     if cfg.moe.shared_size:
         for name, field in zip(("gate_proj", "up_proj", "down_proj"), ("ws_gate", "ws_up", "ws_down")):
             table[f"{prefix}{block}.shared_experts.{name}.weight"] = (("layers", i, field), lambda t: t.T)
@@ -129,22 +151,38 @@ def is_mtp_layer(name: str, cfg: ModelConfig) -> bool:
     return cfg.family in _MTP_LAYERS and not prefix and index.isdigit() and int(index) >= cfg.num_layers
 
 
-def _fused_parts(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
-    """A fused module's tensor suffix -> the tensors it holds, in order, with their rows."""
+def _rows(start: int, rows: int) -> Callable[[np.ndarray], np.ndarray]:
+    return lambda whole: whole[start:start + rows]
+
+
+Part = tuple[str, Callable[[np.ndarray], np.ndarray]]
+
+
+def _fused_parts(cfg: ModelConfig) -> dict[str, tuple[int, int, list[Part]]]:
+    """A fused tensor's suffix -> (the axis it is split on, that axis's size, the tensors it holds:
+    name and how to take it out)."""
+    if cfg.family == "gpt_oss":  # gate and up interleaved on the output axis: last, or packed rows (1)
+        width = 2 * cfg.moe.intermediate_size
+        gate, up = (lambda whole: whole[..., 0::2]), (lambda whole: whole[..., 1::2])
+        parts = {f"mlp.experts.gate_up_proj{s}": (-1, width, [(f"mlp.experts.gate_proj{s}", gate),
+                                                              (f"mlp.experts.up_proj{s}", up)]) for s in ("", "_bias")}
+        for s in ("_blocks", "_scales"):
+            parts[f"mlp.experts.gate_up_proj{s}"] = (1, width, [(f"mlp.experts.gate_proj{s}", lambda w: w[:, 0::2]),
+                                                                (f"mlp.experts.up_proj{s}", lambda w: w[:, 1::2])])
+        return parts
     if cfg.family != "phi3":
         return {}
-    hd = cfg.head_dim
-    return {"self_attn.qkv_proj.weight": [("self_attn.q_proj.weight", cfg.num_heads * hd),
-                                          ("self_attn.k_proj.weight", cfg.num_kv_heads * hd),
-                                          ("self_attn.v_proj.weight", cfg.num_kv_heads * hd)],
-            "mlp.gate_up_proj.weight": [("mlp.gate_proj.weight", cfg.intermediate_size),
-                                        ("mlp.up_proj.weight", cfg.intermediate_size)]}
+    q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {"self_attn.qkv_proj.weight": (0, q + 2 * kv, [("self_attn.q_proj.weight", _rows(0, q)),
+                                                       ("self_attn.k_proj.weight", _rows(q, kv)),
+                                                       ("self_attn.v_proj.weight", _rows(q + kv, kv))]),
+            "mlp.gate_up_proj.weight": (0, 2 * f, [("mlp.gate_proj.weight", _rows(0, f)), ("mlp.up_proj.weight", _rows(f, f))])}
 
 
 def unfused(tensors: Iterator[tuple[str, Callable[[], np.ndarray]]], cfg: ModelConfig
             ) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
-    """(name, read) per tensor, a fused projection given as the tensors it fuses (row slices of it,
-    read when asked for: a memory map's slice stays a map)."""
+    """(name, read) per tensor, a fused one given as the tensors it fuses (slices of it, taken
+    when read: a memory map's slice stays a map)."""
     parts = _fused_parts(cfg)
     for name, read in tensors:
         prefix, _, suffix = name.partition(".layers.")
@@ -152,14 +190,13 @@ def unfused(tensors: Iterator[tuple[str, Callable[[], np.ndarray]]], cfg: ModelC
         if module not in parts:
             yield name, read
             continue
-        total = sum(rows for _, rows in parts[module])
-        start = 0
+        axis, size, pieces = parts[module]
         read = functools.cache(read)  # one read for all its parts (they are consumed one after another)
-        for part, rows in parts[module]:
-            def read_part(read=read, start=start, rows=rows, name=name) -> np.ndarray:
+        for part, take in pieces:
+            def read_part(read=read, take=take, name=name) -> np.ndarray:
                 whole = read()
-                if whole.shape[0] != total:
-                    raise ValueError(f"tensor {name!r} has {whole.shape[0]} rows; config.json gives {total}")
-                return whole[start:start + rows]
+                if whole.shape[axis] != size:
+                    raise ValueError(f"tensor {name!r} has shape {whole.shape}; config.json gives {size} on its "
+                                     f"{'last' if axis else 'first'} axis")
+                return take(whole)
             yield f"{prefix}.layers.{index}.{part}", read_part
-            start += rows

@@ -61,6 +61,9 @@ def _plain(spec: ParamSpec, placement: Any, std: float) -> Any:
             return jnp.ones(spec.shape, dtype)
         if spec.init == "zeros":
             return jnp.zeros(spec.shape, dtype)
+        if spec.init in ("bytes", "scale_bytes"):  # packed FP4 codes, E8M0 scales near 2**-4 (mxfp4.py)
+            low, high = (0, 256) if spec.init == "bytes" else (121, 125)
+            return jax.random.randint(key, spec.shape, low, high, jnp.int32).astype(dtype)
         return (jax.random.normal(key, spec.shape, jnp.float32) * std).astype(dtype)
 
     return jax.jit(draw, out_shardings=placement)

@@ -81,6 +81,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 for quantized pages (kv_quant.py)
     v_scales: jax.Array | None = None,
+    sinks: jax.Array | None = None,  # [H] float32: one value-less logit per q head (gpt-oss)
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention on the default backend: tpu -> Mosaic kernel, gpu -> Triton kernel,
     anything else -> the tiled jnp path (same numbers as the reference; decodes batched, prefill
@@ -88,7 +89,7 @@ def ragged_paged_attention(
     return attention_for_platform(jax.default_backend())(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scales=k_scales, v_scales=v_scales)
+        k_scales=k_scales, v_scales=v_scales, sinks=sinks)
 
 
 __all__ = [

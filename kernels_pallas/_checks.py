@@ -53,6 +53,7 @@ def check_attention_args(
     soft_cap: float | None,
     k_scales=None,
     v_scales=None,
+    sinks=None,
 ) -> AttentionDims:
     """Raises ValueError naming the first bad argument; returns the sizes."""
     if q.ndim != 3:
@@ -112,6 +113,10 @@ def check_attention_args(
         not isinstance(soft_cap, (int, float)) or not math.isfinite(soft_cap) or soft_cap <= 0
     ):
         raise ValueError(f"soft_cap must be None or a positive finite float, got {soft_cap!r}")
+    if sinks is not None:
+        if tuple(getattr(sinks, "shape", ())) != (num_q_heads,) or getattr(sinks, "dtype", None) != jnp.float32:
+            raise ValueError(f"sinks must be None or float32 [num_q_heads] = ({num_q_heads},), got "
+                             f"{getattr(sinks, 'dtype', type(sinks).__name__)} {tuple(getattr(sinks, 'shape', ()))}")
     return AttentionDims(
         num_tokens=num_tokens,
         num_q_heads=num_q_heads,

@@ -5,7 +5,8 @@
 // run at a third of the memory bandwidth a plain read gets. Here each sequence walks its own pages
 // in place: for every page, the scores of all its heads against the page's tokens, then one online
 // softmax update per head. A page is ps * KVH * D contiguous values, read once for all heads.
-// Sequences are spread over XLA's intra-op thread pool, longest first.
+// Sequences are spread over XLA's intra-op thread pool, longest first. Attention sinks (gpt-oss:
+// one value-less logit per q head) start each head's online softmax: max = sink, sum = 1.
 //
 // Built at first use by cpu_decode_attention.py (the host's compiler, -O3 -march=native).
 
@@ -41,6 +42,7 @@ struct Problem {
   const void* v;               // [P, ps, KVH, D]
   const float* k_scales;       // [P, KVH, ps] (8-bit pages) or null
   const float* v_scales;
+  const float* sinks;          // [H] or null
   const int32_t* ctx;          // [S]: context length of a decode row, 0 for rows that are not decodes
   const int32_t* tables;       // [S, MP]
   float* out;                  // [S, H, D]
@@ -149,8 +151,10 @@ void attend(const Problem& p, int64_t s, std::vector<float>& scratch) {
   float* m = scores + H * W;
   float* l = m + H;
   float* acc = l + H;
-  std::fill(m, m + H, -INFINITY);
-  std::fill(l, l + H, 0.0f);
+  for (int64_t h = 0; h < H; ++h) {  // a sink is a first key whose value vector is zero
+    m[h] = p.sinks ? p.sinks[h] : -INFINITY;
+    l[h] = p.sinks ? 1.0f : 0.0f;
+  }
   std::fill(acc, acc + H * D, 0.0f);
   const float* q = p.q + s * H * D;
   const T* k_all = static_cast<const T*>(p.k);
@@ -278,8 +282,9 @@ void attend_any(const Problem& p, int64_t s, std::vector<float>& scratch) {
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                            ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
-                           ffi::Buffer<ffi::S32> ctx, ffi::Buffer<ffi::S32> tables, ffi::ResultBuffer<ffi::F32> out,
-                           float sm_scale, float soft_cap, int32_t sliding_window, bool scaled) {
+                           ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> ctx, ffi::Buffer<ffi::S32> tables,
+                           ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap, int32_t sliding_window,
+                           bool scaled, bool has_sinks) {
   const auto qd = q.dimensions();
   const auto kd = k_pages.dimensions();
   const auto td = tables.dimensions();
@@ -290,11 +295,14 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   if (k_pages.element_type() != v_pages.element_type() || kd[3] != qd[2] || qd[1] % kd[2] != 0) {
     return ffi::Error::InvalidArgument("cpu decode attention: K/V pages disagree with q");
   }
+  if (has_sinks && sinks.element_count() != qd[1]) {
+    return ffi::Error::InvalidArgument("cpu decode attention: sinks must be [H]");
+  }
   auto work = std::make_shared<Work>();
   Problem& p = work->problem;
   p = Problem{q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(),
               scaled ? k_scales.typed_data() : nullptr, scaled ? v_scales.typed_data() : nullptr,
-              ctx.typed_data(), tables.typed_data(), out->typed_data(),
+              has_sinks ? sinks.typed_data() : nullptr, ctx.typed_data(), tables.typed_data(), out->typed_data(),
               qd[1], kd[2], qd[2], kd[1], td[1], kd[0], sm_scale, soft_cap, sliding_window};
   switch (k_pages.element_type()) {
     case ffi::DataType::F32: work->attend_row = attend_any<float>; break;
@@ -335,10 +343,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttention, DecodeAttention,
                                   .Arg<ffi::AnyBuffer>()          // v pages
                                   .Arg<ffi::Buffer<ffi::F32>>()   // k scales [P, KVH, ps] or [1]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks [H] or [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // ctx [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // page tables [S, MP]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [S, H, D]
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("sliding_window")
-                                  .Attr<bool>("scaled"));       // false: the scales are [1] placeholders
+                                  .Attr<bool>("scaled")         // false: the scales are [1] placeholders
+                                  .Attr<bool>("has_sinks"));    // false: the sinks are a [1] placeholder

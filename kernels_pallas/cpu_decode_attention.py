@@ -137,9 +137,9 @@ def supports(k_pages: jax.Array) -> bool:
 
 def decode_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array | None,
                 v_scales: jax.Array | None, ctx: jax.Array, page_tables: jax.Array, *, sm_scale: float,
-                sliding_window: int | None, soft_cap: float | None) -> jax.Array:
+                sliding_window: int | None, soft_cap: float | None, sinks: jax.Array | None = None) -> jax.Array:
     """Every decode row's attention: q_rows [S, H, D] float32, ctx [S] int32 (0 for rows that are not
-    decodes: they get zeros), page_tables [S, MP] -> [S, H, D] float32."""
+    decodes: they get zeros), page_tables [S, MP], sinks [H] float32 or None -> [S, H, D] float32."""
     if is_quantized(k_pages.dtype) and k_scales is None:
         raise ValueError("quantized pages need their scales")
     if not available():  # builds and registers the kernel on first use
@@ -147,9 +147,11 @@ def decode_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_sca
     none = jnp.zeros((1,), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_rows.shape, jnp.float32))
     return call(q_rows, k_pages, v_pages, none if k_scales is None else k_scales,
-                none if v_scales is None else v_scales, ctx.astype(jnp.int32), page_tables.astype(jnp.int32),
+                none if v_scales is None else v_scales, none if sinks is None else sinks.astype(jnp.float32),
+                ctx.astype(jnp.int32), page_tables.astype(jnp.int32),
                 sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
-                sliding_window=np.int32(sliding_window or 0), scaled=k_scales is not None)
+                sliding_window=np.int32(sliding_window or 0), scaled=k_scales is not None,
+                has_sinks=sinks is not None)
 
 
 def _native_or_jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw) -> jax.Array:
@@ -161,5 +163,6 @@ def _native_or_jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx
 ragged_paged_attention_cpu = tiled_backend(
     _native_or_jnp_decode_rows, "ragged_paged_attention_cpu",
     """The tiled path with its decode rows from the native kernel (float32, bfloat16 and int8 pages;
-    float8 pages keep the jnp decode). Needs `available()`; runs on CPU devices only, and is opaque to
-    XLA's partitioner (jaxserve.model.attention places it with shard_map like the other kernels).""")
+    float8 pages keep the jnp decode; attention sinks and soft cap in both). Needs `available()`; runs on
+    CPU devices only, and is opaque to XLA's partitioner (jaxserve.model.attention places it with
+    shard_map like the other kernels).""")

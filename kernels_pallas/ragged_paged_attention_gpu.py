@@ -19,6 +19,9 @@ Schedule:
   * 8-bit pages (int8 / float8, kernels_pallas/kv_quant.py) are widened to q's dtype as they are
     gathered; their per-token scales [P, KVH, ps] f32 are gathered the same way as a [1, BK] row
     that multiplies the logits (K scales) and the probabilities (V scales).
+  * Attention sinks (gpt-oss, `sinks` [H] f32): the wrapper lays them out per tile row, [KVH, R]
+    (row t * Gp + g of kv head h: sinks[h * G + g]); a program's running max starts there and its
+    running sum at 1, the sink being a first key with a zero value vector.
 
 Triton needs power-of-two block shapes and dot operands of at least 16 in each dimension:
 head_dim and page_size must be powers of two and head_dim at most 256 (`supports()` says whether a
@@ -75,15 +78,18 @@ def _kernel(
     q_ref,  # [T + BQ, KVH, Gp, D]
     k_ref,  # [P, ps, KVH, D]
     v_ref,  # [P, ps, KVH, D]
-    *refs,  # quantized pages: k_scales, v_scales [P, KVH, ps] f32; then _o_in_ref (aliased), o_ref
+    *refs,  # quantized pages: k_scales, v_scales [P, KVH, ps] f32; sinks: [KVH, BQ*Gp] f32;
+    # then _o_in_ref (aliased), o_ref
+    quantized: bool,
+    has_sinks: bool,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     block_q: int,
     block_kv: int,
 ):
-    quantized = len(refs) == 4
     ks_ref, vs_ref = refs[:2] if quantized else (None, None)
+    sinks_ref = refs[2 if quantized else 0] if has_sinks else None
     o_ref = refs[-1]  # [T + BQ, KVH, Gp, D]
     _, _, group_p, head_dim = q_ref.shape
     num_pages, page_size, _, _ = k_ref.shape
@@ -174,11 +180,11 @@ def _kernel(
             )  # [rows, D]
             return m_new, l_new, alpha[:, None] * acc + pv
 
-        init = (
-            jnp.full((rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32),
-        )
+        if has_sinks:  # the sink as a first key with a zero value: max = sink, sum = exp(0) = 1
+            m0, l0 = sinks_ref[h, :], jnp.ones((rows,), jnp.float32)
+        else:
+            m0, l0 = jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32)
+        init = (m0, l0, jnp.zeros((rows, head_dim), jnp.float32))
         _, l, acc = lax.fori_loop(kb_start, kb_end, body, init)
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
         out = out.reshape(block_q, group_p, head_dim).astype(o_ref.dtype)
@@ -305,6 +311,7 @@ def ragged_paged_attention_gpu(
     interpret: bool = False,
     k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 for quantized pages (kv_quant.py)
     v_scales: jax.Array | None = None,
+    sinks: jax.Array | None = None,  # [H] float32: one value-less logit per q head (gpt-oss)
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention on GPU (see docs/CONTRACTS.md); `interpret` runs on any backend.
 
@@ -315,7 +322,7 @@ def ragged_paged_attention_gpu(
     dims = check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scales=k_scales, v_scales=v_scales,
+        k_scales=k_scales, v_scales=v_scales, sinks=sinks,
     )
     for name, value in (("block_q", block_q), ("block_kv", block_kv), ("num_warps", num_warps),
                         ("num_stages", num_stages)):
@@ -370,11 +377,14 @@ def ragged_paged_attention_gpu(
 
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-        block_q=bq, block_kv=bk,
+        block_q=bq, block_kv=bk, quantized=k_scales is not None, has_sinks=sinks is not None,
     )
     warps = num_warps or (4 if bq * gp <= 64 else 8)
     scales = () if k_scales is None else (k_scales, v_scales)
-    operands = (*work, seq_lens, tables, q_p, k_pages, v_pages, *scales, out_init)
+    # sinks per tile row [KVH, BQ * Gp]; padded heads get 0 (their rows are never stored)
+    sink_rows = () if sinks is None else (jnp.broadcast_to(
+        jnp.pad(sinks.reshape(KVH, 1, G), ((0, 0), (0, 0), (0, gp - G))), (KVH, bq, gp)).reshape(KVH, bq * gp),)
+    operands = (*work, seq_lens, tables, q_p, k_pages, v_pages, *scales, *sink_rows, out_init)
     out = pl.pallas_call(
         kernel,
         grid=(num_items, KVH),

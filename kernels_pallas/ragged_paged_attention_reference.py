@@ -10,6 +10,11 @@ gathered K chunk stays under `_CHUNK_BYTES` (32 MiB) unless a single page is alr
 use is a few times that (K and V, their float32 casts); the running state is `[T, H, D]` float32.
 Compute is `T * ceil(max_len / chunk) * chunk * H * D` multiply-adds: every row walks the chunks
 up to the longest live sequence (the loop trip count is dynamic, so short batches stop early).
+
+Attention sinks (gpt-oss): `sinks[h]` is one more logit in every row of head h with no value
+vector. The online softmax ends with (m, l, acc) = (max logit, sum of exp(s - m), sum of
+exp(s - m) v); the sink is folded in after the loop, written out as the formula:
+out = acc * exp(m - m') / (l * exp(m - m') + exp(sink - m')) with m' = max(m, sink).
 """
 from __future__ import annotations
 
@@ -70,12 +75,13 @@ def ragged_paged_attention_reference(
     chunk_pages: int | None = None,
     k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 when the pages are quantized (kv_quant.py)
     v_scales: jax.Array | None = None,
+    sinks: jax.Array | None = None,  # [H] float32: one value-less logit per q head (gpt-oss)
 ) -> jax.Array:  # [T, H, D], q.dtype
     """Ragged paged attention in plain jnp, float32 softmax. See docs/CONTRACTS.md."""
     dims = check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scales=k_scales, v_scales=v_scales,
+        k_scales=k_scales, v_scales=v_scales, sinks=sinks,
     )
     if chunk_pages is not None and (not isinstance(chunk_pages, int) or chunk_pages < 1):
         raise ValueError(f"chunk_pages must be None or a positive int, got {chunk_pages!r}")
@@ -130,6 +136,12 @@ def ragged_paged_attention_reference(
         jnp.zeros((T, KVH, G), jnp.float32),
         jnp.zeros((T, KVH, G, D), jnp.float32),
     )
-    _, l, acc = lax.fori_loop(0, num_chunks, body, init)
+    m, l, acc = lax.fori_loop(0, num_chunks, body, init)
+    if sinks is not None:
+        sink = sinks.reshape(1, KVH, G)  # q head h = kv head * G + g
+        m_all = jnp.maximum(m, sink)
+        keep = jnp.exp(m - m_all)
+        l = l * keep + jnp.exp(sink - m_all)  # padding rows (l == 0, m = MASK_VALUE): l = 1, acc = 0
+        acc = acc * keep[..., None]
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # padding rows: l == 0 -> output 0
     return out.reshape(T, H, D).astype(q.dtype)

@@ -17,6 +17,10 @@ sequences of a step are split by what they need:
   Tiles are tall (up to 256 rows: big products, few loop trips); shorter sequences get passes of
   half- and quarter-height tiles of their own, so no tile is more than half padding above 64 rows.
 
+Attention sinks (gpt-oss, `sinks` [H]): each row's online softmax starts from the sink instead of
+from nothing -- running max = sinks[h], running sum = exp(sinks[h] - sinks[h]) = 1, numerator 0 --
+which is the sink as one more key with a zero value vector.
+
 Splitting matters for mixed steps (many decodes + a long prefill chunk): one tiling for both made
 every decode item as tall as a prefill tile, or every prefill tile as short as a decode row (which
 re-gathered the chunk's context once per few rows). Each tile's rows are written with a select, so
@@ -82,6 +86,20 @@ def _online_softmax_step(carry, s, v, mask, einsum_pv: str):
     return m_new, l, acc
 
 
+def _softmax_init(sinks, shape, group: int, head_dim: int):
+    """(m, l, acc) before any key: shape = (*rows, KVH, G) or (KVH, rows * G) (row-major over
+    (row, group), `group` heads per kv head). With sinks the sink is the first key seen."""
+    acc = jnp.zeros((*shape, head_dim), jnp.float32)
+    if sinks is None:
+        return jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32), acc
+    kvh = sinks.shape[0] // group
+    if len(shape) == 2:  # [KVH, rows * G]
+        m = jnp.broadcast_to(sinks.reshape(kvh, 1, group), (kvh, shape[1] // group, group)).reshape(shape)
+    else:  # [..., KVH, G]
+        m = jnp.broadcast_to(sinks.reshape(kvh, group), shape)
+    return m, jnp.ones(shape, jnp.float32), acc
+
+
 def _scores(q, k, einsum_qk: str, sm_scale: float, soft_cap: float | None, mask) -> jax.Array:
     s = jnp.einsum(einsum_qk, q, k) * sm_scale
     if soft_cap is not None:
@@ -90,7 +108,7 @@ def _scores(q, k, einsum_qk: str, sm_scale: float, soft_cap: float | None, mask)
 
 
 def jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, *, sm_scale, sliding_window,
-                    soft_cap) -> jax.Array:
+                    soft_cap, sinks=None) -> jax.Array:
     """Attention of every decode sequence's single row (q_rows [S, H, D] float32, ctx [S]: its
     context, 0 for sequences that are not decodes), in blocks of rows sorted by context: [S, H, D]
     float32 (row s is sequence s's output; sequences that are not decodes get zeros)."""
@@ -128,8 +146,7 @@ def jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tabl
             s = _scores(q, k, "skgd,sckd->skgc", sm_scale, soft_cap, mask)        # [R, KVH, G, C]
             return _online_softmax_step(carry, s, v, mask, "skgc,sckd->skgd")
 
-        init = (jnp.full((R, KVH, G), MASK_VALUE, jnp.float32), jnp.zeros((R, KVH, G), jnp.float32),
-                jnp.zeros((R, KVH, G, D), jnp.float32))
+        init = _softmax_init(sinks, (R, KVH, G), G, D)
         num_chunks = jnp.minimum((row_ctx[0] + chunk - 1) // chunk, num_chunks_static)
         _, l, acc = lax.fori_loop(0, num_chunks, body, init)
         res = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(R, H, D)
@@ -142,7 +159,7 @@ def jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tabl
 
 
 def _chunk_tiles(q_padded, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, q_len, is_chunk, out,
-                 *, bq, sm_scale, sliding_window, soft_cap) -> jax.Array:
+                 *, bq, sm_scale, sliding_window, soft_cap, sinks) -> jax.Array:
     """`out` with the attention of every row of the `is_chunk` sequences written in, tile by tile
     (other rows keep what they held). q_padded and out: [T + at least bq, H, D] float32 (a tile
     may run past T)."""
@@ -186,8 +203,7 @@ def _chunk_tiles(q_padded, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_
             sc = _scores(qt, k, "kqd,kcd->kqc", sm_scale, soft_cap, mask)         # [KVH, bq*G, C]
             return _online_softmax_step(carry, sc, v, mask, "kqc,kcd->kqd")
 
-        init = (jnp.full((KVH, bq * G), MASK_VALUE, jnp.float32), jnp.zeros((KVH, bq * G), jnp.float32),
-                jnp.zeros((KVH, bq * G, D), jnp.float32))
+        init = _softmax_init(sinks, (KVH, bq * G), G, D)
         _, l, acc = lax.fori_loop(lo, hi, body, init)
         res = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(KVH, bq, G, D).transpose(1, 0, 2, 3)
         res = res.reshape(bq, H, D)
@@ -217,11 +233,12 @@ def tiled_backend(decode_rows: Callable[..., jax.Array], name: str, doc: str) ->
         block_q: int | None = None,
         k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 when the pages are quantized (kv_quant.py)
         v_scales: jax.Array | None = None,
+        sinks: jax.Array | None = None,  # [H] float32: one value-less logit per q head (gpt-oss)
     ) -> jax.Array:  # [T, H, D], q.dtype
         check_attention_args(
             q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            k_scales=k_scales, v_scales=v_scales,
+            k_scales=k_scales, v_scales=v_scales, sinks=sinks,
         )
         T, H, D = q.shape
         S = page_tables.shape[0]
@@ -233,7 +250,7 @@ def tiled_backend(decode_rows: Callable[..., jax.Array], name: str, doc: str) ->
         heights = [block_q] if block_q else sorted({max(1, default_block_q(T) >> i) for i in range(_TILE_HEIGHTS)},
                                                    reverse=True)
         qf = q.astype(jnp.float32)
-        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
         q_padded = jnp.pad(qf, ((0, heights[0]), (0, 0), (0, 0)))
         out = jnp.zeros((T + heights[0], H, D), jnp.float32)
         for i, bq in enumerate(heights):

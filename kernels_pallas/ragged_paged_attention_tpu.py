@@ -28,6 +28,9 @@ Block sizes and memory (see the "VMEM / SMEM budgets" section below):
     [P, KVH, ps] f32, DMA'd page by page next to the values into [2, NPB, KVH, ps] buffers. The
     block's values are widened to q's dtype (exact), and per head the K scales multiply the
     logits and the V scales the probabilities, as a [1, BK] lane row (`scale_row`).
+  * attention sinks (gpt-oss, `sinks` [H] f32) come in SMEM; each q block's running max starts at
+    its rows' sinks (row r = token * G + g of kv head h reads sinks[h * G + g]) and its running
+    sum at 1: the sink is a first key whose value vector is zero.
 
 Compiled by libtpu 0.0.42.1 (compile-only topologies, no TPU attached) for v5e, v6e and v5p at
 serving shapes -- head_dim 64/128/256, 1-16 kv heads, GQA groups 1-8, pages of 16-128 tokens,
@@ -69,6 +72,7 @@ def _kernel(
     v_hbm,  # [P, ps, KVH, D] HBM ([P, ps, D] for one 16- or 8-bit head: squeeze_kv_heads)
     *refs,
     # quantized pages only: ks_hbm, vs_hbm [P, KVH, ps] f32 HBM scales (kv_quant.py)
+    # sinks only: sinks_ref [H] f32 SMEM
     # output
     #   o_ref [KVH, BQ*G, D] VMEM block
     # scratch
@@ -78,6 +82,7 @@ def _kernel(
     #   m_ref, l_ref [KVH, BQ*G, 128] f32 running max / denominator, lane-replicated
     #   acc_ref [KVH, BQ*G, D] f32 running numerator
     quantized: bool,
+    has_sinks: bool,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -85,10 +90,12 @@ def _kernel(
     group: int,
     max_pages: int,
 ):
-    if quantized:
-        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref = refs
-    else:
-        o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
+    refs = list(refs)
+    ks_hbm, vs_hbm = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
+    sinks_ref = refs.pop(0) if has_sinks else None
+    o_ref, k_buf, v_buf = refs[:3]
+    ks_buf, vs_buf = refs[3:5] if quantized else (None, None)
+    sems, m_ref, l_ref, acc_ref = refs[-4:]
     num_kv_heads, rows, head_dim = acc_ref.shape
     _, pages_per_block, page_size = k_buf.shape[:3]
     squeezed = k_buf.ndim == 4  # a single kv head, passed without its unit axis (squeeze_kv_heads)
@@ -100,8 +107,18 @@ def _kernel(
     row_end = row0 + block_q
     num_seqs = num_seqs_ref[0]
 
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    if has_sinks:  # the sink as a first key with a zero value: max = sink, sum = exp(0) = 1
+        r = lax.broadcasted_iota(jnp.int32, (rows, _LANES), 0)
+        g_of_row = r - lax.div(r, group) * group
+        for h in range(num_kv_heads):
+            sink = jnp.full((rows, _LANES), sinks_ref[h * group], jnp.float32)
+            for g in range(1, group):
+                sink = jnp.where(g_of_row == g, sinks_ref[h * group + g], sink)
+            m_ref[h] = sink
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+    else:
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def has_rows(s):  # sequence s exists and starts before this block ends
@@ -410,11 +427,12 @@ def vmem_bytes(
     return qo + kv + ml + acc + values + 256 * 1024
 
 
-def smem_bytes(*, max_seqs: int, max_pages_per_seq: int, num_q_blocks: int) -> int:
-    """SMEM bytes of the scalar prefetch: seq_lens, cu_q_lens, page tables, num_seqs, first_seq."""
+def smem_bytes(*, max_seqs: int, max_pages_per_seq: int, num_q_blocks: int, num_sinks: int = 0) -> int:
+    """SMEM bytes of the scalar prefetch (seq_lens, cu_q_lens, page tables, num_seqs, first_seq)
+    and of the sinks [H] f32 when there are any."""
     return 4 * sum(
         _round_up(n, 128)
-        for n in (max_seqs, max_seqs + 1, max_seqs * max_pages_per_seq, 1, num_q_blocks)
+        for n in (max_seqs, max_seqs + 1, max_seqs * max_pages_per_seq, 1, num_q_blocks, num_sinks)
     )
 
 
@@ -489,12 +507,13 @@ def ragged_paged_attention_tpu(
     interpret: bool = False,
     k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 for quantized pages (kv_quant.py)
     v_scales: jax.Array | None = None,
+    sinks: jax.Array | None = None,  # [H] float32: one value-less logit per q head (gpt-oss)
 ) -> jax.Array:  # [T, H, D]
     """Ragged paged attention on TPU (see docs/CONTRACTS.md); `interpret` runs the TPU interpreter."""
     dims = check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scales=k_scales, v_scales=v_scales,
+        k_scales=k_scales, v_scales=v_scales, sinks=sinks,
     )
     quantized = k_scales is not None
     check_block_arg("block_q", block_q)
@@ -509,7 +528,8 @@ def ragged_paged_attention_tpu(
         target=target, page_dtype=k_pages.dtype,
     )
     num_q_blocks = -(-T // bq)
-    smem = smem_bytes(max_seqs=S, max_pages_per_seq=MP, num_q_blocks=num_q_blocks)
+    smem = smem_bytes(max_seqs=S, max_pages_per_seq=MP, num_q_blocks=num_q_blocks,
+                      num_sinks=0 if sinks is None else H)
     if smem > SMEM_BUDGET_BYTES:
         raise ValueError(
             "ragged_paged_attention_tpu: the scalar-prefetched page tables do not fit in SMEM: "
@@ -530,7 +550,7 @@ def ragged_paged_attention_tpu(
     block = pl.BlockSpec((KVH, rows, D), lambda b, *_: (0, b, 0))
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-        block_q=bq, group=G, max_pages=MP, quantized=quantized,
+        block_q=bq, group=G, max_pages=MP, quantized=quantized, has_sinks=sinks is not None,
     )
     if squeeze_kv_heads(KVH, k_pages.dtype):
         k_pages = k_pages.reshape(k_pages.shape[0], dims.page_size, D)
@@ -539,12 +559,14 @@ def ragged_paged_attention_tpu(
     scales = (k_scales, v_scales) if quantized else ()
     scale_bufs = [pltpu.VMEM((2, npb, KVH, dims.page_size), jnp.float32)] * len(scales)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
+    sink_in = () if sinks is None else (sinks,)
+    smem_in = [pl.BlockSpec(memory_space=pltpu.SMEM)] * len(sink_in)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(num_q_blocks,),
-            in_specs=[block, hbm, hbm, *[hbm] * len(scales)],
+            in_specs=[block, hbm, hbm, *[hbm] * len(scales), *smem_in],
             out_specs=block,
             scratch_shapes=[
                 buf,
@@ -562,6 +584,7 @@ def ragged_paged_attention_tpu(
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention_tpu",
-    )(seq_lens, cu_q_lens, page_tables.reshape(S * MP), num_seqs, first_seq, q_t, k_pages, v_pages, *scales)
+    )(seq_lens, cu_q_lens, page_tables.reshape(S * MP), num_seqs, first_seq,
+      q_t, k_pages, v_pages, *scales, *sink_in)
     out = out.reshape(KVH, t_pad, G, D).transpose(1, 0, 2, 3).reshape(t_pad, H, D)
     return out[:T]

@@ -76,6 +76,14 @@ FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
                        num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
                        pad_token_id=0, tie_word_embeddings=False),
+    # attention sinks, alternating windows, biased attention and router, clamped SwiGLU experts
+    # with biases, YaRN
+    "gpt_oss": dict(family="gpt_oss", num_hidden_layers=3, head_dim=16, num_attention_heads=4, num_local_experts=4,
+                    num_experts_per_tok=2, intermediate_size=32, sliding_window=8, pad_token_id=0,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "original_max_position_embeddings": 64, "rope_theta": 150000.0,
+                                     "truncate": False},
+                    tie_word_embeddings=False),
 }
 
 _CLASSES = {
@@ -92,6 +100,7 @@ _CLASSES = {
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
 }
 ALL_VARIANTS = {**VARIANTS, **MOE_VARIANTS, **FAMILY_VARIANTS}
 
@@ -111,10 +120,32 @@ def make_hf_model(variant: str, directory: Path, seed: int = 0, **overrides: Any
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            elif name.endswith("bias"):
+            elif name.endswith("bias") or name.endswith("sinks"):
                 param.copy_(0.05 * torch.randn_like(param))
         for name, buffer in model.named_buffers():  # an expert-choice bias that matters
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.05 * torch.randn_like(buffer))
     model.save_pretrained(directory, safe_serialization=True)
     return Path(directory), model
+
+
+def pack_mxfp4_experts(directory: Path, seed: int = 0) -> None:
+    """Rewrites a gpt-oss checkpoint's expert projections as gpt-oss publishes them: MXFP4 `_blocks`
+    [E, out, in / 32, 16] and `_scales` [E, out, in / 32] of random bytes (scales near 2**-4), with
+    config.json's quantization_config saying so."""
+    import json
+
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(directory / "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = tensors.pop(name).shape
+        tensors[name + "_blocks"] = torch.tensor(rng.integers(0, 256, (experts, outputs, inputs // 32, 16), np.uint8))
+        tensors[name + "_scales"] = torch.tensor(rng.integers(121, 125, (experts, outputs, inputs // 32), np.uint8))
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(config))

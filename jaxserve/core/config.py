@@ -63,6 +63,7 @@ class ModelConfig:
     attention_scale: float | None = None   # softmax scale; None: head_dim ** -0.5
     attn_soft_cap: float | None = None     # attention logits -> cap * tanh(logits / cap) (Gemma 2)
     final_soft_cap: float | None = None    # the lm_head's logits, likewise
+    attention_sinks: bool = False          # a learned logit per q head that takes softmax mass (gpt-oss)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:

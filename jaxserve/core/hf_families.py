@@ -55,6 +55,7 @@ FAMILIES = {
     "phi3": Family(qkv_bias=False, o_bias=False, window_every_layer=True),
     "glm4_moe": Family(o_bias=False),
     "minimax_m2": Family(qk_norm="projection"),
+    "gpt_oss": Family(),
 }
 # architecture name -> family
 SUPPORTED_ARCHITECTURES = {
@@ -71,6 +72,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "GptOssForCausalLM": "gpt_oss",
 }
 _MODEL_TYPES = {"gemma3_text": "Gemma3ForCausalLM"}  # model_type -> architecture, where not the family name
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -161,7 +163,8 @@ def _layer_types(cfg: dict, family: str, num_layers: int) -> list[str]:
             return ["full_attention"] * num_layers  # SmolLM3 reads layer_types only with the flag on
         return list(layer_types)
     if FAMILIES[family].window_pattern and window:
-        pattern = cfg.get("sliding_window_pattern") or FAMILIES[family].window_pattern
+        pattern = (cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+                   or FAMILIES[family].window_pattern)
         return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if FAMILIES[family].window_every_layer:
         return ["sliding_attention" if window else "full_attention"] * num_layers
@@ -190,7 +193,7 @@ def _layer_kinds(cfg: dict, family: str, num_layers: int, max_pos: int) -> tuple
 
 def _parse_moe(cfg: dict, family: str, num_layers: int) -> MoEConfig | None:
     """The MoE fields of a sparse family's config.json (None for dense families)."""
-    sigmoid: dict[str, Any] = {}
+    routing: dict[str, Any] = {}  # MoEConfig's fields beyond the softmax defaults
     if family == "mixtral":
         experts, width, renormalize = _positive_int(cfg, "num_local_experts"), _positive_int(cfg, "intermediate_size"), True
         layers = (True,) * num_layers
@@ -203,19 +206,29 @@ def _parse_moe(cfg: dict, family: str, num_layers: int) -> MoEConfig | None:
     elif family == "glm4_moe":
         experts, width = _positive_int(cfg, "n_routed_experts"), _positive_int(cfg, "moe_intermediate_size")
         renormalize = bool(cfg.get("norm_topk_prob", True))
-        layers = tuple(i >= cfg.get("first_k_dense_replace", 1) for i in range(num_layers))
+        kinds = cfg.get("mlp_layer_types")  # newer configs: "dense" / "sparse" per layer
+        if kinds is not None and (len(kinds) != num_layers or set(kinds) - {"dense", "sparse"}):
+            raise ValueError(f"config.json field 'mlp_layer_types' must give 'dense' or 'sparse' for each of the "
+                             f"{num_layers} layers, got {kinds!r}")
+        layers = (tuple(k == "sparse" for k in kinds) if kinds is not None
+                  else tuple(i >= cfg.get("first_k_dense_replace", 1) for i in range(num_layers)))
         groups = cfg.get("n_group") or 1
         if experts % groups or experts // groups < 2:
             raise ValueError(f"config.json n_group {groups} must split the {experts} experts into groups of >= 2")
-        sigmoid = dict(scoring="sigmoid", score_bias=True, n_group=groups, topk_group=cfg.get("topk_group") or 1,
+        routing = dict(scoring="sigmoid", score_bias=True, n_group=groups, topk_group=cfg.get("topk_group") or 1,
                        routed_scale=float(cfg.get("routed_scaling_factor", 1.0)),
                        shared_size=width * (cfg.get("n_shared_experts") or 0))
-        if not 1 <= sigmoid["topk_group"] <= groups:
-            raise ValueError(f"config.json topk_group {sigmoid['topk_group']} must be in 1..n_group ({groups})")
+        if not 1 <= routing["topk_group"] <= groups:
+            raise ValueError(f"config.json topk_group {routing['topk_group']} must be in 1..n_group ({groups})")
+    elif family == "gpt_oss":  # softmax over the top-k biased logits = softmax, top-k, renormalised
+        experts, width, renormalize = _positive_int(cfg, "num_local_experts"), _positive_int(cfg, "intermediate_size"), True
+        layers = (True,) * num_layers
+        routing = dict(router_bias=True, expert_biases=True, activation="clamped_swiglu",
+                       swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
     elif family == "minimax_m2":
         experts, width, renormalize = _positive_int(cfg, "num_local_experts"), _positive_int(cfg, "intermediate_size"), True
         layers = (True,) * num_layers
-        sigmoid = dict(scoring="sigmoid", score_bias=True)
+        routing = dict(scoring="sigmoid", score_bias=True)
     else:
         return None
     top_k = _positive_int(cfg, "num_experts_per_tok")
@@ -223,7 +236,7 @@ def _parse_moe(cfg: dict, family: str, num_layers: int) -> MoEConfig | None:
         raise ValueError(f"config.json num_experts_per_tok {top_k} exceeds the {experts} experts")
     if cfg.get("shared_expert_intermediate_size"):
         raise ValueError("config.json has a gated shared expert (shared_expert_intermediate_size); not supported")
-    return MoEConfig(experts, top_k, width, renormalize, layers, **sigmoid)
+    return MoEConfig(experts, top_k, width, renormalize, layers, **routing)
 
 
 def _architecture(cfg: dict) -> str:
@@ -273,8 +286,14 @@ def parse_hf_config(cfg: dict) -> dict[str, Any]:
     except ValueError:
         raise ValueError(f"unsupported config.json 'dtype' {raw_dtype!r}") from None
     attention_bias = bool(cfg.get("attention_bias", False))
-    quantization = None
-    if cfg.get("quantization_config") is not None:
+    quantization, moe = None, _parse_moe(cfg, family_name, num_layers)
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if method == "mxfp4":  # gpt-oss: the experts packed, everything else in the checkpoint's dtype
+        if moe is None or family_name != "gpt_oss":
+            raise ValueError(f"config.json quantization_config quant_method 'mxfp4' is served for gpt-oss experts "
+                             f"only, not {arch}")
+        moe = dataclasses.replace(moe, expert_format="mxfp4")
+    elif cfg.get("quantization_config") is not None:
         from jaxserve.quant.hf_config import scheme_from_hf
         quantization = scheme_from_hf(cfg["quantization_config"])
     eos = cfg.get("eos_token_id")
@@ -294,10 +313,11 @@ def parse_hf_config(cfg: dict) -> dict[str, Any]:
         layers=_layer_kinds(cfg, family_name, num_layers, max_pos),
         dtype=dtype_name,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, quantization=quantization,
-        moe=_parse_moe(cfg, family_name, num_layers),
+        moe=moe,
         norm_placement=family.norm_placement, norm_style=family.norm_style, mlp_act=_ACTIVATIONS[act],
         embed_scale=float(hidden) ** 0.5 if gemma else None,
         attention_scale=float(_require(cfg, "query_pre_attn_scalar")) ** -0.5 if gemma else None,
         attn_soft_cap=_soft_cap(cfg, "attn_logit_softcapping") if gemma else None,
         final_soft_cap=_soft_cap(cfg, "final_logit_softcapping") if gemma else None,
+        attention_sinks=family_name == "gpt_oss",
     )

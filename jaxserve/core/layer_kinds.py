@@ -47,6 +47,14 @@ class MoEConfig:
     topk_group: int = 1            # groups kept before the top-k
     routed_scale: float = 1.0      # routed_scaling_factor
     shared_size: int = 0           # the shared expert's MLP width (0: none)
+    router_bias: bool = False      # the router's logits carry a bias (gpt-oss)
+    expert_biases: bool = False    # every expert projection carries a bias (gpt-oss)
+    # the experts' activation: "silu" (SwiGLU) or "clamped_swiglu" (gpt-oss: gate clamped above at
+    # swiglu_limit, up to +-swiglu_limit, gate * sigmoid(alpha * gate) * (up + 1))
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_format: str = "dense"   # the experts' weights as held: "dense" or "mxfp4" (packed, quant/mxfp4.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,11 @@ drops one known message and nothing else, so real warnings and errors still reac
   torch. jaxserve uses transformers for tokenizers only, so without torch nothing is missing.
 - orbax-checkpoint logs about 20 INFO lines (through absl's logger) per save or restore: versions,
   handler options, throughputs, metadata stores. Its warnings and errors are kept.
+- tokamax logs INFO lines about its autotuning cache files, and a WARNING "Autotuning cache miss
+  for <kernel> on <GPU> with key <shapes>" (20 lines each) for every grouped matmul it lowers for a
+  GPU this machine does not have (`jaxserve plan --target gpu-...`): with no device there is nothing
+  to tune, and its default config is used. Its cache-file INFO lines go everywhere (its other lines
+  stay); the warning only where no NVIDIA device is attached.
 - uvicorn logs an access line for every /health and /metrics poll (clients and load balancers poll
   /health many times while the model loads, between the progress bars), and "Uvicorn running on
   URL" when it binds, long before the model is ready; launch.py logs its own line instead.
@@ -78,6 +83,16 @@ def _orbax_info(record: logging.LogRecord) -> bool:
     return record.levelno < logging.WARNING and f"{os.sep}orbax{os.sep}" in record.pathname
 
 
+_TOKAMAX_CACHE_INFO = ("Loading cache file: ", "Autotuning cache file not found: ")
+
+
+def _tokamax_noise(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    if record.levelno < logging.WARNING and message.startswith(_TOKAMAX_CACHE_INFO):
+        return f"{os.sep}tokamax{os.sep}" in record.pathname
+    return message.startswith("Autotuning cache miss for ") and not has_nvidia_device_files()
+
+
 def _torch_not_found(record: logging.LogRecord) -> bool:
     return record.getMessage().startswith("PyTorch was not found.")
 
@@ -96,7 +111,7 @@ def _uvicorn_running_line(record: logging.LogRecord) -> bool:
 
 _FILTERS: dict[str, logging.Filter] = {
     "jax._src.xla_bridge": _Drop(lambda r: _tpu_backend_unavailable(r) or _cuda_plugin_without_gpu(r)),
-    "absl": _Drop(_orbax_info),
+    "absl": _Drop(lambda r: _orbax_info(r) or _tokamax_noise(r)),
     "transformers": _Drop(_torch_not_found),
     "uvicorn.access": _Drop(_polling_access_line),
     "uvicorn.error": _Drop(_uvicorn_running_line),

@@ -59,17 +59,22 @@ def _shard_over_heads(fn: AttentionFn, mesh: Mesh, axis: str) -> AttentionFn:
     heads = P(None, axis, None)               # q / out: [T, H, D]
     pages = P(None, None, axis, None)         # [P, ps, KVH, D]
     scales = P(None, axis, None)              # [P, KVH, ps] (quantized pages)
+    sink_spec = P(axis)                       # [H] (attention sinks): split like q's heads
     meta = P()
 
     def wrapped(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *, sm_scale,
-                sliding_window=None, soft_cap=None, k_scales=None, v_scales=None):
-        def inner(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *scales_in):
-            ks, vs = scales_in or (None, None)
+                sliding_window=None, soft_cap=None, k_scales=None, v_scales=None, sinks=None):
+        quantized = k_scales is not None
+
+        def inner(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *extra_in):
+            ks, vs = extra_in[:2] if quantized else (None, None)
+            sk = extra_in[-1] if sinks is not None else None
             return fn(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, sm_scale=sm_scale,
-                      sliding_window=sliding_window, soft_cap=soft_cap, k_scales=ks, v_scales=vs)
-        extra = () if k_scales is None else (k_scales, v_scales)
+                      sliding_window=sliding_window, soft_cap=soft_cap, k_scales=ks, v_scales=vs, sinks=sk)
+        extra = ((k_scales, v_scales) if quantized else ()) + (() if sinks is None else (sinks,))
+        extra_specs = (scales,) * (2 if quantized else 0) + (() if sinks is None else (sink_spec,))
         return jax.shard_map(inner, mesh=mesh,
-                             in_specs=(heads, pages, pages, meta, meta, meta, meta) + (scales,) * len(extra),
+                             in_specs=(heads, pages, pages, meta, meta, meta, meta) + extra_specs,
                              out_specs=heads, check_vma=False)(
             q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *extra)
 

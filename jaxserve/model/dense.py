@@ -22,8 +22,10 @@ from jaxserve.model.weights import Weights
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array,
-                    window: int | None, scale: float, soft_cap: float | None = None) -> jax.Array:
-    """q: [B, S, Hq, hd]; k, v: [B, S, Hkv, hd]; key_valid: [B, S] bool -> [B, S, Hq, hd]."""
+                    window: int | None, scale: float, soft_cap: float | None = None,
+                    sinks: jax.Array | None = None) -> jax.Array:
+    """q: [B, S, Hq, hd]; k, v: [B, S, Hkv, hd]; key_valid: [B, S] bool; sinks: [Hq] (a logit per
+    head in the softmax's denominator only) -> [B, S, Hq, hd]."""
     b, s, hq, hd = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, s, hkv, hq // hkv, hd).astype(jnp.float32)
@@ -38,7 +40,12 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Arr
     allowed = allowed[None] & key_valid[:, None, :]  # [B, Sq, Sk]
     scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
     # Rows with no allowed key (left padding queries) would be NaN; give them zeros instead.
-    probs = jax.nn.softmax(jnp.where(allowed.any(-1)[:, None, None, :, None], scores, 0.0), axis=-1)
+    scores = jnp.where(allowed.any(-1)[:, None, None, :, None], scores, 0.0)
+    if sinks is not None:  # one more column, dropped after the softmax: it only takes mass
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(jnp.float32))
     return out.reshape(b, s, hq, hd)
 
@@ -63,8 +70,8 @@ def forward_dense(weights: Weights, cfg: ModelConfig, tokens: jax.Array, attenti
     if rope_seq_len is None:
         rope_seq_len = jnp.max(positions) + 1
     seq_lens = jnp.broadcast_to(rope_seq_len, positions.shape)
-    def attend(i, q, k, v, cache):
-        return dense_attention(q, k, v, key_valid, cfg.layer_windows[i], cfg.scale, cfg.attn_soft_cap), cache
+    def attend(i, q, k, v, cache, sinks=None):
+        return dense_attention(q, k, v, key_valid, cfg.layer_windows[i], cfg.scale, cfg.attn_soft_cap, sinks), cache
 
     logits, _ = forward(weights, cfg, tokens, positions, attend, [None] * cfg.num_layers,
                         seq_lens_per_token=seq_lens, lora=lora)

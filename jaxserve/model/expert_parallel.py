@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.parallel import sharding
 from jaxserve.core.config import ModelConfig
 from jaxserve.core.layer_kinds import MoEConfig
-from jaxserve.model.moe import grouped_matmul, route, shared_expert
+from jaxserve.model.moe import ExpertStack, experts_forward, grouped_matmul, moe_mlp, route, shared_expert
 from jaxserve.model.weights import LayerWeights, logical_dims
 
 MoEFn = Callable[[LayerWeights, jax.Array, MoEConfig], jax.Array]
@@ -44,7 +44,33 @@ def make_moe(cfg: ModelConfig, placement: sharding.Placement) -> MoEFn | None:
     mesh, rules = placement
     resolved = sharding.rules_for(logical_dims(cfg), mesh, rules)
     expert_axis = resolved.get("expert")  # (rules_for drops axes of one device)
-    return None if expert_axis is None else make_expert_parallel(mesh, expert_axis, resolved.get("expert_mlp"))
+    if expert_axis is not None:
+        return make_expert_parallel(mesh, expert_axis, resolved.get("expert_mlp"))
+    width_axis = resolved.get("expert_mlp")
+    return None if width_axis is None else make_tensor_parallel(mesh, width_axis)
+
+
+def make_tensor_parallel(mesh: Mesh, axis: str) -> MoEFn:
+    """The sparse blocks' function when every expert's width is split over `axis` (layout "tp"):
+    routing and sorting as moe_mlp does them on every device, then the grouped matmuls run per
+    device on its share of the width (gate / up column-parallel, down row-parallel) and the partial
+    outputs are summed over `axis`. Explicit because tokamax's Mosaic ragged-dot kernel cannot be
+    partitioned by XLA: left to it, a v6e-8 could not compile Qwen3-30B-A3B at 8192-token steps."""
+    width, whole = P(None, None, axis), P()
+
+    def per_device(stack: ExpertStack, moe: MoEConfig, rows: jax.Array, sizes: jax.Array,
+                   expert: jax.Array) -> jax.Array:
+        specs = ExpertStack(gate=width, up=width, down=P(None, axis, None),
+                            b_gate=None if stack.b_gate is None else P(None, axis),
+                            b_up=None if stack.b_up is None else P(None, axis))
+        return jax.shard_map(
+            lambda stack, rows, sizes, expert: jax.lax.psum(experts_forward(stack, moe, rows, sizes, expert), axis),
+            mesh=mesh, in_specs=(specs, whole, whole, whole), out_specs=whole, check_vma=False,
+        )(stack, rows, sizes, expert)
+
+    block = functools.partial(moe_mlp, experts_fn=per_device)
+    block.__name__ = f"tensor_parallel_experts_{axis}"
+    return block
 
 
 def make_expert_parallel(mesh: Mesh, expert_axis: str, tensor_axis: str | None = None) -> MoEFn:
@@ -53,6 +79,9 @@ def make_expert_parallel(mesh: Mesh, expert_axis: str, tensor_axis: str | None =
     ep = mesh.shape[expert_axis]
 
     def block(layer: LayerWeights, x: jax.Array, moe: MoEConfig) -> jax.Array:
+        if moe.expert_biases or moe.router_bias or moe.activation != "silu":
+            raise ValueError("expert parallelism (--layout tp-ep*) does not serve biased experts or the clamped "
+                             "SwiGLU (gpt-oss) yet; serve it with --layout tp")
         if moe.num_experts % ep:
             raise ValueError(f"{moe.num_experts} experts do not split over a {ep}-way expert axis")
         shape = x.shape
@@ -61,7 +90,7 @@ def make_expert_parallel(mesh: Mesh, expert_axis: str, tensor_axis: str | None =
         if pad:
             x = jnp.pad(x, ((0, pad), (0, 0)))
         col, row = P(expert_axis, None, tensor_axis), P(expert_axis, tensor_axis, None)
-        bias = layer.expert_bias if layer.expert_bias is not None else jnp.zeros(moe.num_experts, jnp.float32)
+        bias = layer.choice_bias if layer.choice_bias is not None else jnp.zeros(moe.num_experts, jnp.float32)
         out = jax.shard_map(
             lambda x, router, bias, gate, up, down: _dispatch_compute_combine(x, router, bias, gate, up, down, moe, ep,
                                                                               expert_axis, tensor_axis),

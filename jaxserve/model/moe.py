@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxserve.core.layer_kinds import MoEConfig
 from jaxserve.model.matmul import einsum
 from jaxserve.model.weights import LayerWeights
+from jaxserve.quant.mxfp4 import as_dense
 
 
 def _tokamax():
@@ -107,12 +109,15 @@ def _nonempty_groups(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> 
     return jax.lax.fori_loop(0, rhs.shape[0], group, jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype))
 
 
-def route(router: jax.Array, x: jax.Array, moe: MoEConfig, bias: jax.Array | None = None
-          ) -> tuple[jax.Array, jax.Array]:
-    """x [T, D], router [D, E], bias [E] float32 (sigmoid scoring's choice bias) -> (weights [T, k]
-    float32, expert ids [T, k] int32)."""
+def route(router: jax.Array, x: jax.Array, moe: MoEConfig, bias: jax.Array | None = None,
+          router_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [T, D], router [D, E], bias [E] float32 (sigmoid scoring's choice bias), router_bias [E]
+    (the logits' own bias: gpt-oss) -> (weights [T, k] float32, expert ids [T, k] int32)."""
     if moe.scoring == "softmax":
-        probs = jax.nn.softmax(einsum("td,de->te", x, router).astype(jnp.float32), axis=-1)
+        logits = einsum("td,de->te", x, router)
+        if router_bias is not None:
+            logits = logits + router_bias
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, moe.top_k)
     else:
         scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32)))      # [T, E]
@@ -137,19 +142,62 @@ def shared_expert(layer: LayerWeights, x: jax.Array) -> jax.Array | float:
     return einsum("...f,fd->...d", h, layer.ws_down)
 
 
-def moe_mlp(layer: LayerWeights, x: jax.Array, moe: MoEConfig) -> jax.Array:
-    """x [..., D] -> [..., D]: the experts' SwiGLU MLPs, mixed by the router's weights, plus the
-    shared expert."""
+def expert_activation(moe: MoEConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The experts' gated activation of gate, up [..., Fe]."""
+    if moe.activation == "silu":
+        return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, moe.swiglu_limit)  # clamped SwiGLU (gpt-oss)
+    up = jnp.clip(up, -moe.swiglu_limit, moe.swiglu_limit)
+    return gate * jax.nn.sigmoid(gate * moe.swiglu_alpha) * (up + 1)
+
+
+def _biased(out: jax.Array, bias: jax.Array | None, expert: jax.Array) -> jax.Array:
+    """out [M, N] rows of the experts `expert` [M], plus each one's bias [E, N] (none: out)."""
+    return out if bias is None else out + jnp.take(bias, expert, axis=0).astype(out.dtype)
+
+
+@struct.dataclass
+class ExpertStack:
+    """The experts' projections as the grouped matmuls read them (input features first, in the
+    compute dtype) and their biases (None where the model has none)."""
+    gate: jax.Array             # [E, D, Fe]
+    up: jax.Array               # [E, D, Fe]
+    down: jax.Array             # [E, Fe, D]
+    b_gate: jax.Array | None    # [E, Fe]
+    b_up: jax.Array | None      # [E, Fe]
+
+
+def expert_stack(layer: LayerWeights, dtype: Any) -> ExpertStack:
+    """A layer's experts; packed MXFP4 ones become the compute dtype here, inside the step."""
+    return ExpertStack(*(as_dense(w, dtype) for w in (layer.we_gate, layer.we_up, layer.we_down)),
+                       layer.be_gate, layer.be_up)
+
+
+def experts_forward(stack: ExpertStack, moe: MoEConfig, rows: jax.Array, sizes: jax.Array,
+                    expert: jax.Array) -> jax.Array:
+    """rows [M, D] sorted by their experts `expert` [M] (sizes [E] rows each) -> [M, D]: each row
+    through its expert's gated MLP (without the down projection's bias)."""
+    gate = _biased(grouped_matmul(rows, stack.gate, sizes), stack.b_gate, expert)
+    up = _biased(grouped_matmul(rows, stack.up, sizes), stack.b_up, expert)
+    return grouped_matmul(expert_activation(moe, gate, up), stack.down, sizes)
+
+
+ExpertsFn = Callable[[ExpertStack, MoEConfig, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def moe_mlp(layer: LayerWeights, x: jax.Array, moe: MoEConfig, experts_fn: ExpertsFn = experts_forward) -> jax.Array:
+    """x [..., D] -> [..., D]: the experts' gated MLPs, mixed by the router's weights, plus the
+    shared expert. experts_fn: experts_forward's signature (expert_parallel.make_tensor_parallel
+    runs it per device over the experts' split width)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])                                                   # [T, D]
-    weights, experts = route(layer.router, x, moe, layer.expert_bias)
+    weights, experts = route(layer.router, x, moe, layer.choice_bias, layer.router_bias)
     flat = experts.reshape(-1)                                                     # [T k]
     order = jnp.argsort(flat, stable=True)
+    expert = flat[order]                                                           # [T k] each row's expert
     rows = jnp.take(x, order // moe.top_k, axis=0)                                 # [T k, D] by expert
     sizes = jnp.bincount(flat, length=moe.num_experts).astype(jnp.int32)           # [E]
-    gate = grouped_matmul(rows, layer.we_gate, sizes)
-    up = grouped_matmul(rows, layer.we_up, sizes)
-    out = grouped_matmul(jax.nn.silu(gate) * up, layer.we_down, sizes)            # [T k, D]
+    out = _biased(experts_fn(expert_stack(layer, x.dtype), moe, rows, sizes, expert), layer.be_down, expert)
     out = jnp.zeros_like(out).at[order].set(out).reshape(x.shape[0], moe.top_k, -1)  # (token, slot) order
     mixed = jnp.einsum("tkd,tk->td", out.astype(jnp.float32), weights).astype(x.dtype)
     return (mixed + shared_expert(layer, x)).reshape(shape)

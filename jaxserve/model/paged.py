@@ -29,11 +29,12 @@ def resolve_token_ids(arrays: Any, prev_ids: jax.Array) -> jax.Array:
 def paged_attend(cfg: ModelConfig, arrays: Any, attention_fn: Callable[..., jax.Array]) -> Any:
     """The `attend` of transformer.forward over the paged pool: writes the step's K/V at its slots,
     then ragged paged attention over the sequences' page tables."""
-    def attend(i, q, k, v, layer_kv):
+    def attend(i, q, k, v, layer_kv, sinks=None):
         layer_kv = kv_cache.write(layer_kv, k, v, arrays.slot_mapping)
         out = attention_fn(q, layer_kv.k, layer_kv.v, arrays.seq_lens, arrays.cu_q_lens, arrays.page_tables,
                            arrays.num_seqs, sm_scale=cfg.scale, sliding_window=cfg.layer_windows[i],
                            soft_cap=cfg.attn_soft_cap,
+                           **({} if sinks is None else {"sinks": sinks.astype(jnp.float32)}),  # [Hq]
                            k_scales=layer_kv.k_scales, v_scales=layer_kv.v_scales)
         return out, layer_kv
 

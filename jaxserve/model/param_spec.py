@@ -11,7 +11,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: Any
     axes: tuple[str | None, ...]  # logical axis names, one per dim
-    init: str = "normal"          # "normal" | "ones" | "zeros" | "quantized" | "scale" | "zero_point"
+    init: str = "normal"          # "normal" | "ones" | "zeros" | "quantized" | "scale" | "zero_point" | "bytes" | "scale_bytes"
     contract: tuple[int, ...] = ()  # the axes a projection contracts over (quantizable leaves only)
 
 

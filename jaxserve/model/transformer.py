@@ -23,7 +23,8 @@ from jaxserve.model.matmul import einsum
 from jaxserve.model.moe import moe_mlp
 from jaxserve.model.weights import LayerWeights, Weights
 
-# attend(layer_index, q [..., Hq, hd], k [..., Hkv, hd], v [..., Hkv, hd], cache) -> (out [..., Hq, hd], cache)
+# attend(layer_index, q [..., Hq, hd], k [..., Hkv, hd], v [..., Hkv, hd], cache, sinks=[Hq] | None)
+#   -> (out [..., Hq, hd], cache)
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
@@ -116,7 +117,7 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
         lo = None if lora is None else (lora.layers[i], lora.one_hot)
         h = norm(cfg, x, layer.attn_norm) if pre else x
         q, k, v = qkv(layer, h, rotary.get(cfg.layers[i].rope), cfg, lo)
-        out, cache = attend(i, q, k, v, caches[i])
+        out, cache = attend(i, q, k, v, caches[i], sinks=layer.sinks)
         new_caches.append(cache)
         out = out.astype(x.dtype)
         h = lora_apply.add(_add(einsum("...hk,hkd->...d", out, layer.wo), layer.bo), "o_proj", out, lo)

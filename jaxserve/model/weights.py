@@ -58,7 +58,12 @@ class LayerWeights:
     we_gate: Any = None     # [E, D, Fe]
     we_up: Any = None       # [E, D, Fe]
     we_down: Any = None     # [E, Fe, D]
-    expert_bias: Any = None  # [E] float32: added to sigmoid scores to choose experts (MoEConfig.score_bias)
+    choice_bias: Any = None  # [E] float32: added to sigmoid scores to choose experts (MoEConfig.score_bias)
+    router_bias: Any = None  # [E]     (MoEConfig.router_bias)
+    be_gate: Any = None     # [E, Fe]  expert biases (MoEConfig.expert_biases)
+    be_up: Any = None       # [E, Fe]
+    be_down: Any = None     # [E, D]
+    sinks: Any = None       # [Hq]     attention sinks (ModelConfig.attention_sinks)
     ws_gate: Any = None     # [D, Fs]  the shared expert (MoEConfig.shared_size)
     ws_up: Any = None       # [D, Fs]
     ws_down: Any = None     # [Fs, D]
@@ -130,8 +135,24 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
                       we_gate=p([e, d, fe], ["expert", "embed", "expert_mlp"]),
                       we_up=p([e, d, fe], ["expert", "embed", "expert_mlp"]),
                       we_down=p([e, fe, d], ["expert", "expert_mlp", "embed"]))
+        if cfg.moe.expert_format == "mxfp4":  # packed as published: [E, out, in / 32, 16] bytes
+            from jaxserve.quant.mxfp4 import BLOCK, Mxfp4, padded_width
+
+            def packed(out: int, inputs: int, out_axis: str | None, in_axis: str | None) -> Mxfp4:
+                return Mxfp4(blocks=ParamSpec((e, out, inputs // BLOCK, BLOCK // 2), jnp.uint8,
+                                              ("expert", out_axis, in_axis, None), "bytes"),
+                             scales=ParamSpec((e, out, inputs // BLOCK), jnp.uint8, ("expert", out_axis, in_axis),
+                                              "scale_bytes"))
+            fe = padded_width(fe)
+            leaves.update(we_gate=packed(fe, d, "expert_mlp", None), we_up=packed(fe, d, "expert_mlp", None),
+                          we_down=packed(d, fe, None, "expert_mlp"))
         if cfg.moe.score_bias:  # float32 whatever the dtype: it breaks near-ties between experts
-            leaves["expert_bias"] = ParamSpec((e,), jnp.float32, (None,), "zeros")
+            leaves["choice_bias"] = ParamSpec((e,), jnp.float32, (None,), "zeros")
+        if cfg.moe.router_bias:
+            leaves["router_bias"] = p([e], [None], "zeros")
+        if cfg.moe.expert_biases:
+            leaves.update(be_gate=p([e, fe], ["expert", "expert_mlp"], "zeros"),
+                          be_up=p([e, fe], ["expert", "expert_mlp"], "zeros"), be_down=p([e, d], ["expert", None], "zeros"))
         if fs:  # a dense MLP beside the experts: split like the dense MLP in every layout
             leaves.update(ws_gate=p([d, fs], ["embed", "mlp"]), ws_up=p([d, fs], ["embed", "mlp"]),
                           ws_down=p([fs, d], ["mlp", "embed"]))
@@ -155,6 +176,7 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
             bv=p([hkv, hd], ["kv_heads", "head_dim"], "zeros") if cfg.qkv_bias else None,
             bo=p([d], ["embed"], "zeros") if cfg.o_bias else None,
             **qk_norms(),
+            sinks=p([hq], ["q_heads"], "zeros") if cfg.attention_sinks else None,
             b_gate=p([f], ["mlp"], "zeros") if cfg.mlp_bias else None,
             b_up=p([f], ["mlp"], "zeros") if cfg.mlp_bias else None,
             b_down=p([d], ["embed"], "zeros") if cfg.mlp_bias else None,
@@ -204,6 +226,8 @@ def init_random(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, std: 
             return s.replace(qvalue=values, scale=scale)
         if s.init == "ones":
             return np.ones(s.shape, np.float32)
+        if s.init in ("bytes", "scale_bytes"):  # packed FP4 codes; scales near 2**-4 (E8M0, bias 127)
+            return rng.integers(0, 256, s.shape) if s.init == "bytes" else rng.integers(121, 125, s.shape)
         if s.init == "zeros":
             return np.zeros(s.shape, np.float32)
         return (rng.standard_normal(s.shape, dtype=np.float32) * std)

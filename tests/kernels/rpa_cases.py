@@ -6,6 +6,11 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+# (q_len, context_len) per sequence at page_size 4: decode mid-page / on a boundary, a chunk over a
+# context ending on a boundary, a fresh prefill ending mid-page, a chunk ending mid-page
+MIXED = [(1, 7), (1, 8), (5, 12), (6, 6), (3, 10)]
+SMALL = dict(num_kv_heads=2, head_dim=16, page_size=4)
+
 
 @dataclasses.dataclass
 class Case:
@@ -115,11 +120,12 @@ def scramble_padding(case: Case) -> None:
 
 def numpy_oracle(
     case: Case, *, sliding_window: int | None = None, soft_cap: float | None = None,
-    dtype=np.float32,
+    dtype=np.float32, sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Dense softmax per sequence, in float64, written plainly. Rows of live tokens only.
 
     `dtype` rounds q/K/V first (as the device arrays are rounded) so bf16 comparisons are fair.
+    `sinks` [H]: head h's softmax gets one more logit, sinks[h], whose value vector is zero.
     """
     def rounded(x):
         return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
@@ -143,9 +149,20 @@ def numpy_oracle(
                 logits = kh @ q[row, h] * case.sm_scale
                 if soft_cap is not None:
                     logits = soft_cap * np.tanh(logits / soft_cap)
-                w = np.exp(logits - logits.max())
-                out[row, h] = (w / w.sum()) @ vh
+                sink = -np.inf if sinks is None else float(sinks[h])
+                top = max(logits.max(), sink)
+                w = np.exp(logits - top)
+                out[row, h] = (w @ vh) / (w.sum() + np.exp(sink - top))
     return out
+
+
+def make_sinks(rng: np.random.Generator, num_q_heads: int) -> np.ndarray:
+    """[H] float32 sink logits spread around the scale of the test logits, some far above them
+    (the sink takes most of that head's mass) and some far below (it takes almost none)."""
+    sinks = rng.normal(0.0, 2.0, num_q_heads)
+    sinks[::3] += 6.0
+    sinks[1::4] -= 8.0
+    return sinks.astype(np.float32)
 
 
 def assert_close(got, want, *, rtol: float, what: str = "") -> None:

@@ -5,14 +5,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import check_against_reference, fresh_rng, fresh_seed, make_case, scramble_padding
+from rpa_cases import (
+    MIXED,
+    SMALL,
+    check_against_reference,
+    fresh_rng,
+    fresh_seed,
+    make_case,
+    scramble_padding,
+)
 
 from kernels_pallas import attention_for_platform, cpu_decode_attention, get_attention_backend
 from kernels_pallas.cpu_decode_attention import ragged_paged_attention_cpu
 from kernels_pallas.ragged_paged_attention_tiled import ragged_paged_attention_tiled
 
-MIXED = [(1, 7), (1, 8), (5, 12), (6, 6), (3, 10)]
-SMALL = dict(num_kv_heads=2, head_dim=16, page_size=4)
 
 
 def _check(case, **kw):

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import fresh_rng, make_case
+from rpa_cases import MIXED, SMALL, fresh_rng, make_case
 
 import kernels_pallas
 from kernels_pallas import (
@@ -17,8 +17,6 @@ from kernels_pallas import (
     ragged_paged_attention_tpu,
 )
 
-MIXED = [(1, 7), (1, 8), (5, 12), (6, 6), (3, 10)]
-SMALL = dict(num_kv_heads=2, head_dim=16, page_size=4)
 ALL = [ragged_paged_attention_reference, ragged_paged_attention_tpu, ragged_paged_attention_gpu]
 
 

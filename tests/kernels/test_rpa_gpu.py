@@ -4,17 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import assert_close, fresh_rng, fresh_seed, make_case, scramble_padding
+from rpa_cases import MIXED, SMALL, assert_close, fresh_rng, fresh_seed, make_case, scramble_padding
 
 from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu, work_items
 from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
 
-# (q_len, seq_len), page_size 4: decode mid-page / on a boundary, chunk with context ending on a
-# boundary, fresh prefill ending mid-page, chunk ending mid-page.
-MIXED = [(1, 7), (1, 8), (5, 12), (6, 6), (3, 10)]
 DECODE = [(1, 3), (1, 4), (1, 9), (1, 16), (1, 1)]
 CHUNKS = [(7, 7), (6, 13), (2, 16)]
-SMALL = dict(num_kv_heads=2, head_dim=16, page_size=4)
 # Several q tiles per sequence and several kv blocks per tile.
 BLOCKS = dict(block_q=2, block_kv=4)  # one 4-token page per kv block
 

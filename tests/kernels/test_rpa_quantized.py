@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from rpa_cases import assert_close, fresh_rng, make_case, quantized_args, scramble_padding
+from rpa_cases import MIXED, SMALL, assert_close, fresh_rng, make_case, quantized_args, scramble_padding
 
 from kernels_pallas import get_attention_backend
 from kernels_pallas.kv_quant import dequantize_pages, quantize
@@ -12,8 +12,6 @@ from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 
-MIXED = [(1, 7), (1, 8), (5, 12), (6, 6), (3, 10)]
-SMALL = dict(num_kv_heads=2, head_dim=16, page_size=4)
 PAGE_DTYPES = [jnp.int8, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
 BACKENDS = {
     "reference": ragged_paged_attention_reference,

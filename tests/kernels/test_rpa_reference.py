@@ -2,23 +2,13 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import (
-    assert_close,
-    fresh_rng,
-    fresh_seed,
-    make_case,
-    numpy_oracle,
-    scramble_padding,
-)
+from rpa_cases import MIXED, assert_close, fresh_rng, fresh_seed, make_case, numpy_oracle, scramble_padding
 
 from kernels_pallas.ragged_paged_attention_reference import (
     ragged_paged_attention_reference,
     row_to_seq,
 )
 
-# (q_len, seq_len) with page_size 4: decode mid-page, decode on a page boundary, a chunk with
-# context ending on a boundary, a fresh prefill ending mid-page, a chunk ending mid-page.
-MIXED = [(1, 7), (1, 8), (5, 12), (6, 6), (3, 10)]
 DIMS = dict(num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4)
 
 

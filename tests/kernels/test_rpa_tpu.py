@@ -3,14 +3,10 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import assert_close, fresh_rng, make_case, scramble_padding
+from rpa_cases import MIXED, SMALL, assert_close, fresh_rng, make_case, scramble_padding
 
 from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention_tpu import ragged_paged_attention_tpu
-
-# Same batches and dims as the GPU tests, so the reference compiles are shared.
-MIXED = [(1, 7), (1, 8), (5, 12), (6, 6), (3, 10)]
-SMALL = dict(num_kv_heads=2, head_dim=16, page_size=4)
 
 
 def _check(case, *, dtype=jnp.float32, rtol=1e-5, interpret=True, kernel_kw=None, **kw):

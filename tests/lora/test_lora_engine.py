@@ -204,3 +204,16 @@ def test_an_adapter_read_from_disk_never_holds_up_the_running_steps(setup, tmp_p
         gate.set()
     assert out["first-a1"] == expected["a1"][0] and out["second-a2"] == expected["a2"][1]
     assert len(readers) == 2 and all(r.startswith("jaxserve-lora-read") for r in readers)  # a1's, a2's
+
+
+def test_an_adapter_on_a_gemma2_stack_equals_its_merged_transformers_model(tmp_path):
+    """LoRA where the family has the target modules: Gemma 2's sandwich norms, soft-caps and
+    alternating windows under an adapter on every projection."""
+    base_dir, _ = make_hf_model("gemma2", tmp_path / "base", seed=4)
+    _, fresh = make_hf_model("gemma2", tmp_path / "copy", seed=4)
+    merged = write_adapter(fresh, tmp_path / "a1", seed=1).merge_and_unload()
+    cfg, weights = load_model(base_dir, make_mesh(1, 1))
+    core = make_core(cfg, weights, enable_lora=True, max_loras=2, max_lora_rank=8,
+                     lora_modules=(("a1", str(tmp_path / "a1")),))
+    out = run_all(core, [Request(f"r{i}", p, greedy(NEW), lora_name="a1") for i, p in enumerate(PROMPTS)])
+    assert [out[f"r{i}"][0] for i in range(len(PROMPTS))] == [_hf_greedy(merged, p) for p in PROMPTS]

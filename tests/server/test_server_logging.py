@@ -28,6 +28,10 @@ def passes(logger: str, msg: str, *args: object, level: int = logging.INFO, path
     return bool(logging.getLogger(logger).filter(record))
 
 
+TOKAMAX_AUTOTUNING = ("Autotuning cache miss for PallasTritonRaggedDot(config=None) on NVIDIA H200 with key "
+                      "immutabledict({'lhs': BatchedShapeDtype(shape=(1024, 2880), dtype=bfloat16)})")
+
+
 @pytest.fixture
 def machine(monkeypatch):
     """machine(tpu=..., nvidia=...): the device files the filters look for, as on that machine."""
@@ -47,6 +51,7 @@ def machine(monkeypatch):
     ("uvicorn.access", ACCESS, ("127.0.0.1:5000", "GET", "/health", "1.1", 503)),
     ("uvicorn.access", ACCESS, ("127.0.0.1:5000", "GET", "/metrics?name=x", "1.1", 200)),
     ("uvicorn.error", "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", ("http", "127.0.0.1", 8000)),
+    ("absl", TOKAMAX_AUTOTUNING, ()),  # lowering for a GPU this machine lacks (jaxserve plan --target gpu-...)
 ])
 def test_known_noise_is_dropped_on_a_machine_without_tpus_or_gpus(machine, logger, msg, args):
     machine(tpu=False, nvidia=False)
@@ -65,6 +70,7 @@ def test_known_noise_is_dropped_on_a_machine_without_tpus_or_gpus(machine, logge
     ("uvicorn.access", ACCESS, ("127.0.0.1:5000", "GET", "/healthz", "1.1", 404)),
     ("uvicorn.error", "Started server process [%d]", (42,)),
     ("uvicorn.error", "Cancel %s running task(s), timeout graceful shutdown exceeded", (1,)),
+    ("absl", TOKAMAX_AUTOTUNING, ()),  # on a GPU: tuning could have happened
 ])
 def test_everything_else_is_kept_on_a_machine_with_tpus_and_gpus(machine, logger, msg, args):
     machine(tpu=True, nvidia=True)
@@ -162,6 +168,8 @@ def test_orbax_info_lines_are_dropped_and_its_warnings_kept(tmp_path):
     warning = logging.makeLogRecord({**vars(orbax[0]), "levelno": logging.WARNING, "levelname": "WARNING"})
     assert absl_logger.filter(warning)
     assert passes("absl", "a flag note", pathname="/site-packages/tokamax/config.py")  # not orbax's
+    assert not passes("absl", "Loading cache file: /x/pallas_triton_ragged_dot.json",
+                      pathname="/site-packages/tokamax/_src/autotuning/cache.py")  # tokamax's cache files
 
 
 def test_a_prompt_past_the_tokenizers_model_max_length_encodes_without_a_warning():

@@ -32,7 +32,8 @@ def _pair(model, **engine):
     return make_core(*model, **engine), make_core(*model, speculative_config=SPEC, **engine)
 
 
-@pytest.mark.parametrize("variant", ["llama3-gqa-tied", "qwen2-bias", "mistral-window"])
+# gemma2: drafts verified through soft-capped, alternately windowed attention
+@pytest.mark.parametrize("variant", ["llama3-gqa-tied", "qwen2-bias", "mistral-window", "gemma2"])
 def test_greedy_outputs_equal_plain_decoding_across_families(tmp_path, variant):
     cfg, weights, _ = tiny_model(tmp_path, variant, seed=5)
     plain, spec = _pair((cfg, weights))
