@@ -259,7 +259,10 @@ async def send_one(client: Any, cfg: BenchConfig, spec: PromptSpec, t0: float) -
                     res.error = f"stream error: {str(chunk['error'])[:300]}"
                     return res
                 now = time.perf_counter()
-                if _chunk_text(chunk, cfg.endpoint):
+                # a finish with no text yet: the output was special tokens only (an EOS first), which
+                # is a completed request whose first token came with its end
+                finished = any(c.get("finish_reason") for c in chunk.get("choices") or [])
+                if _chunk_text(chunk, cfg.endpoint) or (finished and n_chunks == 0):
                     if n_chunks == 0:
                         res.ttft = now - start
                     else:
@@ -278,7 +281,7 @@ async def send_one(client: Any, cfg: BenchConfig, spec: PromptSpec, t0: float) -
         return res
     res.output_tokens = usage_tokens if usage_tokens is not None else n_chunks
     if n_chunks == 0:
-        res.error = "stream ended without any text"
+        res.error = "stream ended without any text or finish_reason"
         return res
     res.ok = True
     return res

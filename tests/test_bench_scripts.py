@@ -37,6 +37,8 @@ class StubState:
         self.first_delay = FIRST_DELAY
         self.itl = ITL
         self.fail_every = 0  # fail the k-th, 2k-th, ... request with HTTP 500 (0 = never)
+        self.textless_every = 0  # the k-th, 2k-th, ... request's only token is special: no text, then a finish
+        self.unfinished_every = 0  # the k-th, 2k-th, ... stream ends with neither text nor a finish
         self.bodies: list[dict] = []
         self.in_flight = 0
         self.peak_in_flight = 0
@@ -64,11 +66,16 @@ def make_stub_app(state: StubState):
         n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
         usage = body.get("stream_options", {}).get("include_usage", False)
 
-        def chunk(text: str) -> str:
+        textless = state.textless_every and index % state.textless_every == 0
+        unfinished = state.unfinished_every and index % state.unfinished_every == 0
+        if textless or unfinished:
+            n_out = 1
+
+        def chunk(text: str, finish: str | None = None) -> str:
             if chat:
-                choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+                choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text, "finish_reason": None}
+                choice = {"index": 0, "text": text, "finish_reason": finish}
             return "data: " + json.dumps({"id": "x", "choices": [choice]}) + "\n\n"
 
         async def stream():
@@ -82,7 +89,10 @@ def make_stub_app(state: StubState):
                 for i in range(n_out):
                     if i:
                         await asyncio.sleep(state.itl)
-                    yield chunk(f" t{i}")
+                    if textless:
+                        yield chunk("", "stop")
+                    elif not unfinished:
+                        yield chunk(f" t{i}")
                 if usage:
                     u = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
                     yield "data: " + json.dumps({"id": "x", "choices": [], "usage": u}) + "\n\n"
@@ -282,6 +292,18 @@ def test_failures_and_slo_are_counted(stub, tokenizer_dir):
     assert (report["completed"], report["failed"]) == (4, 2)
     assert list(report["errors"]) == ['HTTP 500: {"error":{"message":"injected failure"}}']
     assert report["good_requests"] == 0 and report["goodput"] == 0.0
+
+
+def test_a_stream_of_special_tokens_only_completes_and_one_without_a_finish_fails(stub, tokenizer_dir):
+    """A random model may answer with an EOS (or other special tokens) first: no text, a finish
+    reason. That request completed, its first token at its finish; a stream with neither is broken."""
+    state, url = stub
+    state.reset()
+    state.textless_every, state.unfinished_every = 2, 5
+    report = bs.run_benchmark(_cfg(url, tokenizer_dir, num_requests=6, max_concurrency=1))
+    assert (report["completed"], report["failed"]) == (5, 1)
+    assert list(report["errors"]) == ["stream ended without any text or finish_reason"]
+    assert report["ttft_ms"]["max"] >= FIRST_DELAY * 1000
 
 
 def test_global_timeout_bounds_the_run(stub, tokenizer_dir):

@@ -291,6 +291,13 @@ def test_the_router_passes_errors_through_and_refuses_bad_json(data_parallel):
     r = httpx.post(f"{url}/v1/completions", json={"model": "jaxserve-tiny", "prompt": "hi", "max_tokens": -3})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]  # the replica's own answer
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "jaxserve-tiny"
+    # the tokenizer routes and the version: any healthy replica's answer, errors included
+    tokens = httpx.post(f"{url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tokens["count"] == 2 and tokens["max_model_len"] > 0
+    assert httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "Hello world"}
+    assert httpx.get(f"{url}/version").json()["version"]
+    r = httpx.post(f"{url}/detokenize", json={"tokens": ["x"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
 
 
 def test_the_watcher_stops_on_a_replica_error_but_not_on_a_drained_replica():

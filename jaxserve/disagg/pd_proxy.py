@@ -61,10 +61,10 @@ def build_pd_proxy(prefill: list[str], decode: list[str], timeout: float = 600.0
         content = json.dumps({**body, "kv_transfer_params": {"remote_url": p}}).encode()
         return await relay(client["c"], request, d + request.url.path, content, f"decode instance {d}")
 
-    async def models(request: Request) -> Response:
-        r = await client["c"].get(first_decode + "/v1/models",
-                                  headers={k: v for k, v in request.headers.items() if k.lower() == "authorization"})
-        return Response(r.content, r.status_code, media_type="application/json")
+    async def to_decode(request: Request) -> Response:
+        """The model list, the tokenizer and the version: the first decode instance's."""
+        return await relay(client["c"], request, first_decode + request.url.path, await request.body(),
+                           f"decode instance {first_decode}")
 
     async def health(request: Request) -> Response:
         for url in (*prefill, *decode):
@@ -78,7 +78,10 @@ def build_pd_proxy(prefill: list[str], decode: list[str], timeout: float = 600.0
     return Starlette(routes=[
         Route("/v1/completions", forward, methods=["POST"]),
         Route("/v1/chat/completions", forward, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models", to_decode, methods=["GET"]),
+        Route("/tokenize", to_decode, methods=["POST"]),
+        Route("/detokenize", to_decode, methods=["POST"]),
+        Route("/version", to_decode, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ], lifespan=lifespan)
 

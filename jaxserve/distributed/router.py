@@ -1,8 +1,8 @@
 """The router's HTTP front: OpenAI requests forwarded to a replica chosen by routing_policy.py, responses
 (SSE streams included) passed through unchanged as they arrive.
 
-Routes: POST /v1/completions, /v1/chat/completions (routed); GET /v1/models (any healthy
-replica's); GET /health (200 while any replica is healthy); GET /metrics (the router's own
+Routes: POST /v1/completions, /v1/chat/completions (routed); GET /v1/models, /version, POST
+/tokenize, /detokenize (any healthy replica's); GET /health (200 while any replica is healthy); GET /metrics (the router's own
 `jaxserve_router:` series, then every replica's metrics with a `replica` label added to each
 sample). A replica's /health is polled every HEALTH_INTERVAL seconds; one that fails gets no new
 requests until it answers again. A request whose replica cannot be reached gets a 502 naming it.
@@ -189,12 +189,13 @@ def build_router(replicas: list[str], balance_slack: int = 8, balance_ratio: flo
         return await relay(client["c"], request, urls[replica] + request.url.path, raw,
                            f"replica {replica} ({urls[replica]})", lambda: policy.done(replica))
 
-    async def models(request: Request) -> Response:
+    async def any_replica(request: Request) -> Response:
+        """What every replica answers alike (the model list, the tokenizer, the version): the first
+        healthy one answers."""
         for i, url in enumerate(urls):
             if healthy[i]:
-                r = await client["c"].get(f"{url}/v1/models", headers={
-                    k: v for k, v in request.headers.items() if k.lower() == "authorization"})
-                return Response(r.content, r.status_code, media_type="application/json")
+                return await relay(client["c"], request, url + request.url.path, await request.body(),
+                                   f"replica {i} ({url})")
         return error(503, "no replica is healthy", "no_replica", "unavailable")
 
     async def health(request: Request) -> Response:
@@ -216,7 +217,10 @@ def build_router(replicas: list[str], balance_slack: int = 8, balance_ratio: flo
     app = Starlette(routes=[
         Route("/v1/completions", forward, methods=["POST"]),
         Route("/v1/chat/completions", forward, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models", any_replica, methods=["GET"]),
+        Route("/tokenize", any_replica, methods=["POST"]),
+        Route("/detokenize", any_replica, methods=["POST"]),
+        Route("/version", any_replica, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ], lifespan=lifespan)

@@ -1,10 +1,11 @@
-"""The Starlette app: OpenAI routes, /health, /metrics; auth, body limits, admission control.
+"""The Starlette app: OpenAI routes, vLLM's /tokenize, /detokenize and /version, /health, /metrics;
+auth, body limits, admission control.
 
 Order of checks for a generation request: API key (401) -> ready (503) -> content type and body
 size (400/413) -> JSON and fields (400) -> waiting queue (429) -> submit. Every failure is an
 OpenAI-shaped error; an unexpected exception is logged and answered with a 500-shaped error.
 Every HTTP request is counted while it runs (streams until their last event), so a drain after
-SIGTERM knows when the in-flight work is done.
+SIGTERM knows when the in-flight work is done, and once answered, by endpoint and status code.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jaxserve.server import generation, kv_routes, lora_admin
+from jaxserve.server import generation, kv_routes, lora_admin, tokenize_routes
 from jaxserve.server.errors import APIError, bad_request, internal, overloaded, too_large, unauthorized
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.grammars import request_grammar
@@ -107,6 +108,15 @@ def build_app(loader: Loader, config: ServerConfig) -> Starlette:
     async def kv_export(request: Request) -> Response:
         return await kv_routes.export(state, request)
 
+    async def tokenize(request: Request) -> Response:
+        return await _tokenizer_route(state, request, tokenize_routes.tokenize)
+
+    async def detokenize(request: Request) -> Response:
+        return await _tokenizer_route(state, request, tokenize_routes.detokenize)
+
+    async def version(request: Request) -> Response:
+        return JSONResponse(tokenize_routes.version())
+
     routes = [
         Route("/v1/completions", guarded(completions, True), methods=["POST"]),
         Route("/v1/kv/export", guarded(kv_export, True), methods=["POST"]),
@@ -115,32 +125,49 @@ def build_app(loader: Loader, config: ServerConfig) -> Starlette:
         *([Route("/v1/load_lora_adapter", guarded(load_lora, True), methods=["POST"]),
            Route("/v1/unload_lora_adapter", guarded(unload_lora, True), methods=["POST"])]
           if config.allow_runtime_lora_updating else []),
+        Route("/tokenize", guarded(tokenize, True), methods=["POST"]),
+        Route("/detokenize", guarded(detokenize, True), methods=["POST"]),
+        Route("/version", guarded(version, False), methods=["GET"]),
         Route("/health", guarded(health, False), methods=["GET"]),
         Route("/metrics", guarded(metrics, False), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
-                    middleware=[Middleware(_CountInFlight, state=state)])
+                    middleware=[Middleware(_CountInFlight, state=state,
+                                           endpoints=frozenset(route.path for route in routes))])
     app.state.server = state
     return app
 
 
 class _CountInFlight:
     """ASGI middleware: `state.in_flight` counts HTTP requests from arrival until the last byte of
-    their response (the ASGI call of a streamed response returns after its last event)."""
+    their response (the ASGI call of a streamed response returns after its last event), and the
+    metrics count every answered request by endpoint (the app's routes; any other path is "other",
+    so a scan of unknown paths adds no series) and status code."""
 
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+    def __init__(self, app: ASGIApp, state: ServerState, endpoints: frozenset[str]) -> None:
         self.app = app
         self.state = state
+        self.endpoints = endpoints
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        status = 500  # no response started: the server failed
+
+        async def send_status(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         self.state.in_flight += 1
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_status)
         finally:
             self.state.in_flight -= 1
+            path = scope["path"]
+            self.state.metrics.http_request(path if path in self.endpoints else "other", status)
 
 
 async def _generate(state: ServerState, request: Request, parse: Callable[..., Any]) -> Response:
@@ -165,6 +192,14 @@ async def _generate(state: ServerState, request: Request, parse: Callable[..., A
     if gen.stream:
         return generation.stream(state, gen, resp, runs)
     return await generation.complete(state, gen, resp, runs, request)
+
+
+async def _tokenizer_route(state: ServerState, request: Request,
+                           handle: Callable[[dict, Any], dict]) -> Response:
+    """/tokenize and /detokenize: the body through `handle` with the tokenizer, off the event loop."""
+    state.require_ready()
+    body = parse_json_body(await _read_body(request, state.config.max_request_bytes))
+    return JSONResponse(await run_in_threadpool(_locked, state, handle, body))
 
 
 def _locked(state: ServerState, parse: Callable[..., Any], body: dict) -> Any:

@@ -30,13 +30,7 @@ def parse_chat(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
     if top is not None and not want:
         raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     logprobs = (top or 0) if want else None
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list of message objects", "messages")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict) or any(not isinstance(k, str) or not k.isidentifier() or
-                                           k in _RESERVED_TEMPLATE_KWARGS for k in kwargs):
-        raise bad_request("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
+    messages, kwargs = chat_inputs(body)
     add_generation_prompt = bool_field(body, "add_generation_prompt", True)
     gen = common_fields("chat", body, ctx, max_tokens, logprobs)
     if tool_choice not in ("none", "auto") and gen.params.structured_outputs is not None:
@@ -45,12 +39,7 @@ def parse_chat(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
     gen.tools, gen.tool_choice, gen.parallel_tool_calls = tools, tool_choice, parallel
     if tools is not None:
         kwargs = {**kwargs, "tools": tools}
-    try:
-        ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-    except (ValueError, TypeError) as e:
-        raise bad_request(str(e), "messages") from None
-    except ChatTemplateUnavailable as e:  # the server's fault: the cause is logged with the 500
-        raise server_error(str(e), "chat_template_unavailable") from e
+    ids = render_chat(ctx, messages, add_generation_prompt, kwargs)
     if not ids:
         raise bad_request("'messages' render to zero tokens", "messages")
     gen.prompts = [ids]
@@ -58,6 +47,32 @@ def parse_chat(body: dict[str, Any], ctx: ModelContext) -> GenerationRequest:
     if ctx.reasoning_parser is not None:  # where the reasoning stands when generation begins
         gen.prompt_text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
     return gen
+
+
+def chat_inputs(body: dict) -> tuple[list, dict[str, Any]]:
+    """(messages, chat_template_kwargs) of a chat body, checked: a non-empty list, and template
+    variables that are identifiers other than the ones the server sets itself."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list of message objects", "messages")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or any(not isinstance(k, str) or not k.isidentifier() or
+                                           k in _RESERVED_TEMPLATE_KWARGS for k in kwargs):
+        raise bad_request("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
+    return messages, kwargs
+
+
+def render_chat(ctx: ModelContext, messages: list, add_generation_prompt: bool, kwargs: dict[str, Any],
+                add_special_tokens: bool = False) -> list[int]:
+    """The messages through the chat template, encoded: APIError(400) where the messages are at
+    fault, APIError(500) where the server cannot render templates."""
+    try:
+        return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 add_special_tokens=add_special_tokens, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise bad_request(str(e), "messages") from None
+    except ChatTemplateUnavailable as e:  # the server's fault: the cause is logged with the 500
+        raise server_error(str(e), "chat_template_unavailable") from e
 
 
 def _tools(body: dict, ctx: ModelContext) -> tuple[list[dict] | None, str | dict, bool]:

@@ -53,6 +53,9 @@ class ServerMetrics:
         success = Counter("jaxserve:request_success", "Finished samples by finish reason.",
                           ["model_name", "finished_reason"], registry=reg)
         self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        self._http = Counter("jaxserve:http_requests", "HTTP requests answered, by endpoint and status code.",
+                             ["model_name", "endpoint", "status"], registry=reg)
+        self._model_name = model_name
         self._engine = _EngineCollector(model_name, vllm_names)
         reg.register(self._engine)
         self._awaiting_first: dict[str, float] = {}  # request id -> arrival (monotonic); engine thread pops
@@ -68,6 +71,9 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def http_request(self, endpoint: str, status: int) -> None:
+        self._http.labels(self._model_name, endpoint, str(status)).inc()
 
     def request_started(self, request_id: str, arrival: float) -> None:
         self._awaiting_first[request_id] = arrival

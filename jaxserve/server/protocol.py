@@ -42,8 +42,10 @@ CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logpro
 
 class TokenizerLike(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True, **kw: Any) -> list[int]: ...
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                            **kw: Any) -> list[int]: ...
     def decode(self, token_ids: Any, skip_special_tokens: bool = True) -> str: ...
+    def convert_ids_to_tokens(self, token_ids: Any) -> list[str]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +184,7 @@ def _stop(body: dict) -> list[str]:
     return value
 
 
-def _token_list(value: Any, name: str, vocab_size: int, allow_empty: bool = False) -> list[int]:
+def token_list(value: Any, name: str, vocab_size: int, allow_empty: bool = False) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise bad_request(f"'{name}' must be a list of integer token ids", name)
     if not value and not allow_empty:
@@ -219,7 +221,7 @@ def refuse(body: dict, name: str, allowed: tuple = (None,), why: str = "is not s
 # ---------------------------------------------------------------- shared request parts
 
 
-def _model(body: dict, ctx: ModelContext) -> str:
+def model_field(body: dict, ctx: ModelContext) -> str:
     model = _str(body, "model")
     if model is None:
         return ctx.served_model_names[0]
@@ -254,7 +256,7 @@ def _sampling(body: dict, ctx: ModelContext, max_tokens: int | None, logprobs: i
         max_tokens=max_tokens,
         min_tokens=int_field(body, "min_tokens", 0),
         stop=_stop(body),
-        stop_token_ids=[] if stop_token_ids is None else _token_list(stop_token_ids, "stop_token_ids",
+        stop_token_ids=[] if stop_token_ids is None else token_list(stop_token_ids, "stop_token_ids",
                                                                     ctx.vocab_size, allow_empty=True),
         ignore_eos=bool_field(body, "ignore_eos", False),
         logprobs=logprobs,
@@ -305,7 +307,7 @@ def check_lengths(prompts: list[list[int]], max_tokens: int | None, ctx: ModelCo
 def common_fields(kind: Literal["completion", "chat"], body: dict, ctx: ModelContext, max_tokens: int | None,
             logprobs: int | None) -> GenerationRequest:
     """Every field but the prompt (validated first: they are cheap, tokenization is not)."""
-    model = _model(body, ctx)
+    model = model_field(body, ctx)
     structured, structured_field = parse_structured(body)
     params = _sampling(body, ctx, max_tokens, logprobs, structured)
     stream, include_usage = _stream_flags(body)
@@ -363,7 +365,7 @@ def _completion_prompts(body: dict, ctx: ModelContext) -> list[list[int]]:
                 raise bad_request("'prompt' must not be an empty string", "prompt")
             out.append(ctx.tokenizer.encode(item))
         else:
-            out.append(_token_list(item, "prompt", ctx.vocab_size))
+            out.append(token_list(item, "prompt", ctx.vocab_size))
         if not out[-1]:
             raise bad_request("'prompt' encodes to zero tokens", "prompt")
     return out

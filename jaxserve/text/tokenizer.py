@@ -103,6 +103,7 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
         """Render `messages` with the model's chat template and encode the result.
@@ -125,8 +126,9 @@ class Tokenizer:
                 raise ValueError(f"chat template failed: {e}") from e
             raise ChatTemplateUnavailable(f"the chat template could not be rendered ({type(e).__name__}: {e}); "
                                           "this is a server problem, not a problem with the request") from e
-        # The template already wrote every special token it wants; do not add a BOS again.
-        return self.encode(text, add_special_tokens=False)
+        # The template already wrote every special token it wants: no BOS again unless asked
+        # (/tokenize's add_special_tokens, as vLLM's)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
 def read_chat_template(text: str) -> str:

@@ -170,6 +170,19 @@ def test_chat_through_the_proxy(pd):
     assert got.choices[0].message.content == want.choices[0].message.content
 
 
+def test_the_tokenizer_routes_and_the_model_list_are_the_decode_instances(pd):
+    servers, proxy = pd
+    for method, path, body in [("POST", "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+                               ("POST", "/detokenize", {"tokens": [9707, 1879]}), ("GET", "/version", None)]:
+        got = httpx.request(method, proxy.url + path, json=body, timeout=60)
+        want = httpx.request(method, servers["decode"].url + path, json=body, timeout=60)
+        assert got.status_code == 200 and got.json() == want.json(), (path, got.text)
+    models = httpx.get(proxy.url + "/v1/models", timeout=60).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    bad = httpx.post(proxy.url + "/detokenize", json={"tokens": [-1]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"  # the instance's own answer
+
+
 def test_an_unreachable_prefill_instance_fails_the_request_clearly(pd):
     servers, _ = pd
     decode = servers["decode"]
