@@ -229,7 +229,7 @@ import jaxserve.entrypoints.cli
 import jaxserve.server.launch
 from jaxserve.server import ServerConfig, build_app
 
-build_app(lambda _: None, ServerConfig())  # the loader only runs once the app is served
+build_app(lambda: None, ServerConfig())  # the loader only runs once the app is served
 
 # Quantized weights (qwix, ml_dtypes): the embedded model's shape, int4 at load, one forward.
 import dataclasses

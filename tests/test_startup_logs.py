@@ -17,7 +17,7 @@ from jaxserve.engine import loading
 TENSORS = 3
 
 
-def _fake_build(model, engine_cfg, tokenizer, bar, on_tokenizer=None):
+def _fake_build(model, engine_cfg, tokenizer, bar):
     """_build's contract with the bar, without a model: weights(done, total) per tensor, then engine()."""
     log = logging.getLogger("jaxserve.test")
     for done in range(TENSORS + 1):

@@ -184,3 +184,53 @@ def test_a_draft_with_another_vocabulary_is_named_and_the_same_one_passes(tmp_pa
         with pytest.raises(ValueError, match=f"draft model {d} has another vocabulary than the target {qwen}"):
             check_same_vocabulary(qwen, d)
     check_same_vocabulary(qwen, tmp_path)  # no tokenizer.json there: left to the vocab-size check
+
+
+def test_qwen_tokenizers_load_as_written_and_equal_transformers_own_class(model_dir, tok, tmp_path):
+    """Qwen2Tokenizer checkpoints load through the generic fast tokenizer (tokenizer.json read in
+    Rust, not rebuilt from Python-parsed JSON): the same ids, text, tokens, special tokens and chat
+    rendering as transformers' Qwen2Tokenizer. Another class still loads through AutoTokenizer."""
+    import json
+    import shutil
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    assert type(own).__name__ == "Qwen2Tokenizer" and type(tok.hf).__name__ != "Qwen2Tokenizer"
+    marked = "<|im_start|>user\nhi <tool_call>{}</tool_call><|im_end|><|endoftext|>"
+    for text in [*TEXTS, marked]:
+        for special in (True, False):
+            assert tok.encode(text, add_special_tokens=special) == own.encode(text, add_special_tokens=special)
+    ids = np.random.default_rng(0).integers(0, len(own), 2000).tolist() + sorted(own.all_special_ids)
+    assert tok.convert_ids_to_tokens(ids) == own.convert_ids_to_tokens(ids)
+    for skip in (True, False):
+        assert tok.decode(ids, skip_special_tokens=skip) == own.decode(ids, skip_special_tokens=skip)
+    assert (len(tok.hf), tok.hf.all_special_ids, tok.hf.get_added_vocab(), tok.hf.eos_token_id) == (
+        len(own), own.all_special_ids, own.get_added_vocab(), own.eos_token_id)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    assert tok.apply_chat_template(messages, tools=tools) == own.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    other = tmp_path / "other"
+    shutil.copytree(model_dir, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    assert type(Tokenizer.from_pretrained(other).hf).__name__ == "GPT2Tokenizer"
+
+
+def test_llguidance_reads_the_same_vocabulary_as_its_own_loader(tok):
+    """GrammarCompiler hands llguidance the tokenizer's JSON without the copy its from_tokenizer
+    makes: every token's bytes, the special tokens and the EOS set are the same."""
+    import llguidance.hf
+
+    from jaxserve.structured.compiler import GrammarCompiler
+
+    ours = GrammarCompiler(tok.hf, 151936, tok.eos_token_ids).tokenizer
+    theirs = llguidance.hf.from_tokenizer(tok.hf, n_vocab=151936, eos_token=sorted(tok.eos_token_ids))
+    assert ours.vocab_size == theirs.vocab_size == 151936 and ours.eos_tokens == theirs.eos_tokens
+    every = list(range(len(tok.hf)))
+    assert [ours.decode_bytes([i]) for i in every] == [theirs.decode_bytes([i]) for i in every]
+    assert [ours.is_special_token(i) for i in every] == [theirs.is_special_token(i) for i in every]
+    assert ours.tokenize_str(TEXTS[2]) == theirs.tokenize_str(TEXTS[2])

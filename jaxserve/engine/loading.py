@@ -94,11 +94,9 @@ class LoadBar:
 
 
 def _build(model: str | Path | None, engine_cfg: EngineConfig, tokenizer: Tokenizer | None,
-           bar: LoadBar | None = None,
-           on_tokenizer: Callable[[Tokenizer, Path], None] | None = None) -> tuple[EngineCore, "Future[Tokenizer]", Path]:
+           bar: LoadBar | None = None) -> tuple[EngineCore, "Future[Tokenizer]", Path]:
     """The engine, not warmed up, and its tokenizer loading on a thread meanwhile (importing
-    transformers and reading a 150k vocabulary take seconds of a warm start). on_tokenizer(tokenizer,
-    model_dir): called as soon as the tokenizer is loaded, on whichever thread that is (it must not block)."""
+    transformers and reading a 150k vocabulary take seconds of a warm start)."""
     if engine_cfg.attention_backend in ("auto", "cpu") and jax.default_backend() == "cpu":
         from kernels_pallas import cpu_decode_attention
 
@@ -118,8 +116,6 @@ def _build(model: str | Path | None, engine_cfg: EngineConfig, tokenizer: Tokeni
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
         tokenizer_load = pool.submit(Tokenizer.from_pretrained, model_dir)
         pool.shutdown(wait=False)
-    if on_tokenizer is not None:
-        tokenizer_load.add_done_callback(lambda done: done.exception() is None and on_tokenizer(done.result(), model_dir))
     enable_compilation_cache(engine_cfg.compilation_cache_dir)
     dtype = resolve_dtype(engine_cfg.dtype, ModelConfig.from_hf(model_dir).dtype)
     mesh = make_mesh(*engine_cfg.mesh_shape)
@@ -133,28 +129,26 @@ def _build(model: str | Path | None, engine_cfg: EngineConfig, tokenizer: Tokeni
 
 def load_with_progress(model: str | Path | None, engine_cfg: EngineConfig, show_progress: bool = True,
                        tokenizer: Tokenizer | None = None,
-                       before_warmup: Callable[[EngineCore], None] | None = None,
-                       on_tokenizer: Callable[[Tokenizer, Path], None] | None = None) -> tuple[EngineCore, Tokenizer, Path]:
+                       before_warmup: Callable[[EngineCore], None] | None = None) -> tuple[EngineCore, Tokenizer, Path]:
     """load_engine_core with progress bars on stderr: one while the model loads (a tick per tensor
     read, see LoadBar), one tick per program compiled before serving. Log lines meanwhile are
     written above the bars, never on a bar's line. before_warmup: called with the built engine
-    before it compiles anything; on_tokenizer: see _build."""
+    before it compiles anything."""
     # The root logger's console handlers write through tqdm.write while the bars show (uvicorn's
     # loggers propagate there too: launch.py); jaxserve's own loggers have no handlers of their own.
     with logging_redirect_tqdm() if show_progress else contextlib.nullcontext():
-        return _load_with_bars(model, engine_cfg, show_progress, tokenizer, before_warmup, on_tokenizer)
+        return _load_with_bars(model, engine_cfg, show_progress, tokenizer, before_warmup)
 
 
 def _load_with_bars(model: str | Path | None, engine_cfg: EngineConfig, show_progress: bool,
                     tokenizer: Tokenizer | None,
-                    before_warmup: Callable[[EngineCore], None] | None,
-                    on_tokenizer: Callable[[Tokenizer, Path], None] | None) -> tuple[EngineCore, Tokenizer, Path]:
+                    before_warmup: Callable[[EngineCore], None] | None) -> tuple[EngineCore, Tokenizer, Path]:
     name = str(model) if model is not None else DISPLAY_NAME
     # no rate: the ticks are tensors, then the engine
     with tqdm(total=2, desc=f"loading {name}", file=sys.stderr, disable=not show_progress, postfix="weights",
               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]") as bar:
         load_bar = LoadBar(bar)
-        core, tokenizer_load, model_dir = _build(model, engine_cfg, tokenizer, load_bar, on_tokenizer)
+        core, tokenizer_load, model_dir = _build(model, engine_cfg, tokenizer, load_bar)
         load_bar.done()
     if before_warmup is not None:
         before_warmup(core)

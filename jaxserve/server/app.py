@@ -179,7 +179,8 @@ async def _generate(state: ServerState, request: Request, parse: Callable[..., A
     # at a time (a HF fast tokenizer may raise "Already borrowed" under concurrent use).
     gen = await run_in_threadpool(_locked, state, parse, body)
     if gen.params.structured_outputs is not None or gen.forces_tool_calls:
-        gen.grammar = await run_in_threadpool(request_grammar, state.grammars, gen, state.model)
+        # state.grammars may still be building (or not built yet): waited for off the event loop
+        gen.grammar = await run_in_threadpool(lambda: request_grammar(state.grammars, gen, state.model))
     new_sequences = len(gen.prompts) * gen.params.n
     if new_sequences > state.max_waiting:
         raise bad_request(f"this request needs {new_sequences} sequences (prompts x n); at most "

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 import uvicorn
 
@@ -46,13 +46,13 @@ def model_loader(model: str | None, engine_cfg: EngineConfig, show_progress: boo
     followers: a multi-host leader's multihost.Followers; they build the engine with the leader's
     resolved sizes and warm up alongside it, then follow its steps."""
 
-    def load(on_tokenizer: Callable[[Any, Path], None]) -> tuple[Any, Any, Path]:
+    def load() -> tuple[Any, Any, Path]:
         quiet_startup()  # before transformers is imported and jax picks its backend
         from jaxserve.engine.loading import load_with_progress
 
         if followers is None:
-            return load_with_progress(model, engine_cfg, show_progress, on_tokenizer=on_tokenizer)
-        loaded = load_with_progress(model, engine_cfg, show_progress, on_tokenizer=on_tokenizer,
+            return load_with_progress(model, engine_cfg, show_progress)
+        loaded = load_with_progress(model, engine_cfg, show_progress,
                                     before_warmup=lambda core: followers.send(("config", core.engine_cfg)))
         loaded[0].runner.followers = followers
         return loaded

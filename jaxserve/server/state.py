@@ -32,10 +32,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("jaxserve.server")
 
-# (on_tokenizer) -> (EngineCore warmed up, Tokenizer, model directory). The loader calls
-# on_tokenizer(tokenizer, model_dir) as soon as the tokenizer is loaded, while the model still loads
-# (or not at all: the state then does that work once the loader returns).
-Loader = Callable[[Callable[[Any, Path], None]], tuple[Any, Any, Path]]
+# () -> (EngineCore warmed up, Tokenizer, model directory)
+Loader = Callable[[], tuple[Any, Any, Path]]
+# llguidance's view of the vocabulary (~1 s holding the GIL for a 150k vocabulary) is built once the
+# server has been ready and without requests for this long: not during the load, where it delays
+# /health by as much, nor beside the first requests. A structured request before then builds it.
+GRAMMAR_IDLE_SECONDS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,26 +98,23 @@ class ServerState:
         self.strings: TokenStrings | None = None
         self.load_seconds = 0.0
         self.in_flight = 0             # HTTP requests running now (app.py counts them, on the event loop)
-        self._threads: list[threading.Thread] = []  # the loader, then the grammar compiler's warm-up
+        self._loader: threading.Thread | None = None
         self.tokenize_lock = threading.Lock()
         self._grammars: Any = None
         self._grammars_lock = threading.Lock()
+        self._building_grammars = False
 
     # -------------------------------------------------------------- lifecycle
 
     def start_loading(self) -> None:
-        self._start_thread(self._load, "jaxserve-loader")
-
-    def _start_thread(self, target: Callable[[], Any], name: str) -> None:
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        self._loader = threading.Thread(target=self._load, name="jaxserve-loader", daemon=True)
+        self._loader.start()
 
     @property
     def native_work_running(self) -> bool:
         """A background thread still runs native code that cannot be interrupted: the model's load
-        and warm-up (XLA), or llguidance's first view of the vocabulary."""
-        return any(thread.is_alive() for thread in self._threads)
+        and warm-up (XLA), or llguidance's view of the vocabulary being built."""
+        return (self._loader is not None and self._loader.is_alive()) or self._building_grammars
 
     def _sampling_defaults(self, model_dir: Path) -> dict[str, Any]:
         from jaxserve.text.generation_config import sampling_defaults
@@ -131,7 +130,7 @@ class ServerState:
         try:
             from jaxserve.engine.async_engine import Engine
 
-            core, tokenizer, model_dir = self.loader(self._tokenizer_loaded)
+            core, tokenizer, model_dir = self.loader()
             if self.config.chat_template is not None:
                 tokenizer = tokenizer.with_chat_template(self.config.chat_template)
             if self.status != "loading":  # shut down while we were loading
@@ -149,9 +148,7 @@ class ServerState:
             self.strings = TokenStrings(lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
                                         tokenizer.convert_ids_to_tokens)
             self.load_seconds = time.monotonic() - start
-            # built already, or building, when the loader called _tokenizer_loaded; else now, not
-            # in a first request
-            self._start_thread(lambda: self.grammars, "jaxserve-grammars")
+            threading.Thread(target=self._build_grammars_when_idle, name="jaxserve-grammars", daemon=True).start()
         except BaseException as e:
             self.error = e
             self.status = "failed"
@@ -184,25 +181,29 @@ class ServerState:
 
     @property
     def grammars(self) -> Any:
-        """The GrammarCompiler (structured output, forced tool calls); built once (see _tokenizer_loaded)."""
-        return self._build_grammars(self.tokenizer, self.core.model_cfg.vocab_size)
-
-    def _tokenizer_loaded(self, tokenizer: Any, model_dir: Path) -> None:
-        """The loader's hook. llguidance's view of the vocabulary takes ~1.5 s holding the GIL: built
-        while the model loads and warms up (mostly native code that lets it run), not beside the
-        first request, which it would delay by as much."""
-        from jaxserve.core.config import ModelConfig
-
-        vocab_size = ModelConfig.from_hf(model_dir).vocab_size
-        self._start_thread(lambda: self._build_grammars(tokenizer, vocab_size), "jaxserve-grammars")
-
-    def _build_grammars(self, tokenizer: Any, vocab_size: int) -> Any:
+        """The GrammarCompiler (structured output, forced tool calls), built on first use unless
+        _build_grammars_when_idle did it before; blocks while it is built (never on the event loop)."""
         with self._grammars_lock:
             if self._grammars is None:
                 from jaxserve.structured.compiler import GrammarCompiler
 
-                self._grammars = GrammarCompiler(tokenizer.hf, vocab_size, tokenizer.eos_token_ids)
+                self._building_grammars = True
+                try:
+                    self._grammars = GrammarCompiler(self.tokenizer.hf, self.core.model_cfg.vocab_size,
+                                                     self.tokenizer.eos_token_ids)
+                finally:
+                    self._building_grammars = False
             return self._grammars
+
+    def _build_grammars_when_idle(self, poll: float = 0.05) -> None:
+        quiet_since = time.monotonic()
+        while self._grammars is None and self.status in ("loading", "ready"):
+            if self.status != "ready" or self.in_flight:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= GRAMMAR_IDLE_SECONDS:
+                self.grammars
+                return
+            time.sleep(poll)
 
     @property
     def max_waiting(self) -> int:

@@ -10,6 +10,7 @@ answers 400 and the engine never sees the request.
 from __future__ import annotations
 
 import collections
+import copy
 import concurrent.futures
 import threading
 from typing import Any, Iterable
@@ -27,18 +28,29 @@ class GrammarError(ValueError):
     """The constraint cannot be used: its message starts with the field's name."""
 
 
+def _tokenizer_json(hf_tokenizer: Any) -> str:
+    """The fast tokenizer's tokenizer.json, added tokens included, as llguidance reads it: its
+    `hf.from_tokenizer` copies the whole backend first (0.6 s of a warm start, holding the GIL) only
+    to switch off padding and truncation, which jaxserve's tokenizers never switch on."""
+    backend = hf_tokenizer.backend_tokenizer
+    if backend.padding is not None or backend.truncation is not None:
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+    return backend.to_str()
+
+
 class GrammarCompiler:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
                  cache_size: int = DEFAULT_CACHE_SIZE, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """hf_tokenizer: a transformers fast tokenizer; vocab_size: the model's logits width (masks
         have a bit per id up to it; ids the tokenizer lacks are never allowed)."""
         import llguidance
-        import llguidance.hf
 
         self._llg = llguidance
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                                      eos_token=sorted(eos_token_ids))
+        self.tokenizer = llguidance.LLTokenizer(_tokenizer_json(hf_tokenizer), n_vocab=vocab_size,
+                                                eos_token=sorted(eos_token_ids))
         self.limits = llguidance.LLParserLimits(max_grammar_size=MAX_GRAMMAR_SYMBOLS,
                                                 initial_lexer_fuel=MAX_LEXER_FUEL, verbose_errors=False)
         self.timeout_s = timeout_s

@@ -87,7 +87,7 @@ class LiveServer:
 
 def start_server(loaded_model: tuple[Any, Any, Path], **config: Any) -> LiveServer:
     """A ready server around the session's engine core (config: ServerConfig fields)."""
-    app = build_app(lambda _: loaded_model, ServerConfig(served_model_names=(MODEL,), **config))
+    app = build_app(lambda: loaded_model, ServerConfig(served_model_names=(MODEL,), **config))
     live = LiveServer(app)
     live.wait_ready()
     return live

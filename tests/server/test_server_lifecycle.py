@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import signal
 import socket
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_503_while_the_model_loads_then_200(loaded_model):
     gate = threading.Event()
 
-    def slow_loader(on_tokenizer):  # the app serves HTTP while this runs on its loader thread
+    def slow_loader():  # the app serves HTTP while this runs on its loader thread
         assert gate.wait(120)
         return loaded_model
 
@@ -52,26 +53,44 @@ def test_503_while_the_model_loads_then_200(loaded_model):
         live.stop()
 
 
-def test_the_grammar_compiler_builds_while_the_model_loads(loaded_model):
-    """The loader hands the tokenizer over as soon as it has it: llguidance's view of the
-    vocabulary (~1.5 s holding the GIL) is built before the loader returns, not beside a first
-    request, and for the model's vocabulary."""
-    core, tokenizer, model_dir = loaded_model
-    app: list = []
+def test_the_grammar_compiler_waits_for_an_idle_server_unless_a_request_needs_it(loaded_model, monkeypatch):
+    """llguidance's view of the vocabulary (~1 s holding the GIL) is built neither during the load
+    (it delayed /health by as much) nor beside the first requests: once the ready server has had no
+    request for GRAMMAR_IDLE_SECONDS. A structured request that comes first builds it and is served."""
+    from jaxserve.server import state as state_module
 
-    def loader(on_tokenizer):
-        on_tokenizer(tokenizer, model_dir)
-        deadline = time.monotonic() + 120
-        while app[0].state.server._grammars is None:
-            assert time.monotonic() < deadline, "on_tokenizer did not build the grammar compiler"
-            time.sleep(0.05)
-        return loaded_model
-
-    app.append(build_app(loader, ServerConfig(served_model_names=(MODEL,))))
-    live = LiveServer(app[0])
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
+    structured = {"model": MODEL, "messages": [{"role": "user", "content": "json"}], "max_tokens": 64,
+                  "temperature": 0, "response_format": {"type": "json_schema",
+                                                        "json_schema": {"name": "a", "schema": schema}}}
+    monkeypatch.setattr(state_module, "GRAMMAR_IDLE_SECONDS", 3600.0)
+    live = start_server(loaded_model)
     try:
-        live.wait_ready(timeout=180)
-        assert live.state.grammars.vocab_size == core.model_cfg.vocab_size
+        assert live.state._grammars is None
+        r = httpx.post(f"{live.url}/v1/chat/completions", json=structured, timeout=120)
+        assert r.status_code == 200 and set(json.loads(r.json()["choices"][0]["message"]["content"])) == {"a"}
+        assert live.state._grammars is not None
+    finally:
+        live.stop()
+
+    monkeypatch.setattr(state_module, "GRAMMAR_IDLE_SECONDS", 0.5)
+    live = start_server(loaded_model)
+    try:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        checked = False
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=120) as stream:
+            started = time.monotonic()
+            for _ in stream.iter_lines():
+                if time.monotonic() - started > 1.5:  # a request in flight all along: no build
+                    checked = live.state._grammars is None
+                    break
+        assert checked, "the grammar compiler was built while a request ran (or the stream ended first)"
+        deadline = time.monotonic() + 60
+        while live.state._grammars is None:
+            assert time.monotonic() < deadline, "the idle server did not build the grammar compiler"
+            time.sleep(0.05)
+        assert live.state.grammars.vocab_size == loaded_model[0].model_cfg.vocab_size
     finally:
         live.stop()
 
@@ -193,7 +212,7 @@ def test_drain_timeout_aborts_what_still_runs(loaded_model):
     """In process, the same GracefulServer: with a 1 s drain, a stream that needs longer is aborted:
     it ends with a final event carrying finish_reason "abort" and [DONE], never a cut connection; the
     server stops shortly after the timeout."""
-    app = build_app(lambda _: loaded_model, ServerConfig(served_model_names=(MODEL,)))
+    app = build_app(lambda: loaded_model, ServerConfig(served_model_names=(MODEL,)))
     state = app.state.server
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
                             timeout_graceful_shutdown=FINAL_GRACE_SECONDS)
