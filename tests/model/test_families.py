@@ -149,6 +149,20 @@ def test_int8_kv_pages_stay_near_float32_pages(family):
     assert flipped.mean() <= 0.1 and (top2[flipped, 1] - top2[flipped, 0] < 0.01).all()
 
 
+@pytest.mark.parametrize("name", ["gemma2", "phi3", "gpt_oss"])
+def test_n_samples_forked_past_the_window_each_equal_generate(name, tmp_path):
+    """n = 3 greedy samples of a 13-token prompt (past the window of 8; pages of 4): the forks share
+    the prompt's full pages and copy its last, partial one, then decode through sliding layers (with
+    soft-caps, a window on every layer, sinks): each sample is transformers' greedy output."""
+    path, model = make_hf_model(name, tmp_path / name)
+    cfg, weights = load_model(path, make_mesh(1, 1))
+    core = make_core(cfg, weights, max_model_len=64)
+    prompt = PROMPTS[1]
+    got = run_all(core, [Request("n", prompt, greedy(12, n=3))])
+    assert [got["n"][i] for i in range(3)] == [_hf_generate(model, [prompt], 12)[0]] * 3
+    assert core.runner.compilations_after_warmup == 0
+
+
 def test_engine_on_four_devices_equals_transformers(family):
     """A 4-way model axis over 2 KV heads: heads duplicated (with OLMo 2's k-norm weights), the
     attention kernel shard-mapped over them."""
