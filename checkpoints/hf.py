@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from checkpoints import quantized
-from checkpoints.hf_names import is_mtp_layer, name_table, unfused
+from checkpoints.hf_names import is_mtp_layer, name_table, text_model, unfused
 from jaxserve.core.config import ModelConfig
 from jaxserve.model import weights as W
 from jaxserve.quant import host as quant_host
@@ -255,7 +255,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
     tensors = _iter_tensors(files, lazy=slices is not None)
     if progress is not None:
         tensors = _reported(tensors, sum(len(_header(f)[1]) for f in files), progress)
-    for name, read in unfused(tensors, cfg):
+    for name, read in unfused(text_model(tensors, cfg), cfg):
         if name in received:
             raise ValueError(f"tensor {name!r} appears in more than one safetensors file")
         received.add(name)

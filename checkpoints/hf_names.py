@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from jaxserve.core.config import ModelConfig
+from jaxserve.core.hf_families import TEXT_OF_MULTIMODAL
 
 Transform = Callable[[np.ndarray], np.ndarray]
 
@@ -177,6 +178,29 @@ def _fused_parts(cfg: ModelConfig) -> dict[str, tuple[int, int, list[Part]]]:
                                                        ("self_attn.k_proj.weight", _rows(q, kv)),
                                                        ("self_attn.v_proj.weight", _rows(q + kv, kv))]),
             "mlp.gate_up_proj.weight": (0, 2 * f, [("mlp.gate_proj.weight", _rows(0, f)), ("mlp.up_proj.weight", _rows(f, f))])}
+
+
+# Multimodal checkpoints served as their text model: where each layout keeps the text model's
+# tensors (transformers 5 saves "model.language_model.*"; the published Gemma 3 checkpoints store
+# "language_model.model.*"), and the prefixes of the parts that are not read (vision tower, projector)
+_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+_NOT_TEXT = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+
+
+def text_model(tensors: Iterator[tuple[str, Callable[[], np.ndarray]]], cfg: ModelConfig
+               ) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+    """(name, read) per tensor of the text model, named as a *ForCausalLM checkpoint names it: a
+    multimodal checkpoint's language-model tensors renamed, its other parts left out."""
+    if cfg.architecture not in TEXT_OF_MULTIMODAL:
+        yield from tensors
+        return
+    for name, read in tensors:
+        old = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        if old is not None:
+            yield _TEXT_PREFIXES[old] + name[len(old):], read
+        elif not name.startswith(_NOT_TEXT):
+            yield name, read
 
 
 def unfused(tensors: Iterator[tuple[str, Callable[[], np.ndarray]]], cfg: ModelConfig

@@ -67,6 +67,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text model: the vision tower is not read
     "Olmo2ForCausalLM": "olmo2",
     "SmolLM3ForCausalLM": "smollm3",
     "Phi3ForCausalLM": "phi3",
@@ -259,9 +260,24 @@ def _soft_cap(cfg: dict, key: str) -> float | None:
     return None if value is None else float(value)
 
 
+# multimodal architectures served as their text model: config.json's text_config describes it
+TEXT_OF_MULTIMODAL = frozenset({"Gemma3ForConditionalGeneration"})
+# what a multimodal config.json states at its top level for the whole model (the text model's too)
+_SHARED_FIELDS = ("dtype", "torch_dtype", "eos_token_id", "tie_word_embeddings")
+
+
+def _text_config(cfg: dict) -> dict:
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"config.json of a {cfg['architectures'][0]} has no 'text_config' object")
+    return {**{k: cfg[k] for k in _SHARED_FIELDS if k in cfg and k not in text}, **text}
+
+
 def parse_hf_config(cfg: dict) -> dict[str, Any]:
     """ModelConfig's fields from a parsed config.json."""
     arch = _architecture(cfg)
+    if arch in TEXT_OF_MULTIMODAL:
+        cfg = _text_config(cfg)
     family_name = SUPPORTED_ARCHITECTURES[arch]
     family = FAMILIES[family_name]
     for key, what in _REFUSED.items():

@@ -197,3 +197,55 @@ def test_glm_checkpoints_multi_token_prediction_layers_are_not_read(tmp_path):
     save_file({"model.layers.3.eh_proj.weight": np.zeros((64, 128), np.float32)}, str(other / "mtp.safetensors"))
     with pytest.raises(ValueError, match="unexpected tensor 'model.layers.3.eh_proj.weight'"):
         load_model(other, make_mesh(1, 1))
+
+
+def _gemma3_multimodal(directory):
+    """A tiny Gemma3ForConditionalGeneration (the gemma3 variant's text model, a one-layer SigLIP
+    tower) written by save_pretrained, and the torch model."""
+    import torch
+    import transformers
+
+    from hf_models import _BASE
+
+    text = {**_BASE, **{k: v for k, v in FAMILY_VARIANTS["gemma3"].items() if k != "family"}}
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=transformers.Gemma3TextConfig(**text), vision_config=vision,
+                                       mm_tokens_per_image=4, image_token_index=95, boi_token_index=93,
+                                       eoi_token_index=94)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    return directory, model
+
+
+def test_gemma3_multimodal_checkpoints_serve_their_text_model(tmp_path):
+    """Gemma 3 4B-27B are published as Gemma3ForConditionalGeneration: config.json's text_config
+    and the language model's tensors (stored as language_model.model.*, or model.language_model.*
+    as transformers 5 names them in memory) are served; the vision tower is not read. Greedy text
+    equals transformers' multimodal model on text-only input."""
+    from safetensors.numpy import load_file, save_file
+
+    path, model = _gemma3_multimodal(tmp_path / "published")
+    stored = load_file(str(path / "model.safetensors"))
+    assert any(k.startswith("vision_tower.") for k in stored) and any(k.startswith("language_model.model.") for k in stored)
+    cfg, weights = load_model(path, make_mesh(1, 1))
+    assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.family == "gemma3"
+    assert [(k.window, k.rope.theta) for k in cfg.layers] == LAYER_KINDS["gemma3"] and cfg.vocab_size == 96
+    core = make_core(cfg, weights, max_model_len=64)
+    got = run_all(core, [Request(f"r{i}", p, greedy(10)) for i, p in enumerate(PROMPTS)])
+    assert [got[f"r{i}"][0] for i in range(len(PROMPTS))] == [_hf_generate(model, [p], 10)[0] for p in PROMPTS]
+
+    renamed = tmp_path / "in_memory_names"
+    renamed.mkdir()
+    for f in ("config.json",):
+        (renamed / f).write_bytes((path / f).read_bytes())
+    save_file({k.replace("language_model.model.", "model.language_model.", 1): v for k, v in stored.items()},
+              str(renamed / "model.safetensors"))
+    _, again = load_model(renamed, make_mesh(1, 1))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(weights)))
