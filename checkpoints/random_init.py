@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.parallel import sharding
+from jaxserve.quant.mxfp4 import RANDOM_BYTES
 from jaxserve.core.config import ModelConfig
 from jaxserve.model import weights as W
 from jaxserve.model.param_spec import ParamSpec
@@ -61,9 +62,8 @@ def _plain(spec: ParamSpec, placement: Any, std: float) -> Any:
             return jnp.ones(spec.shape, dtype)
         if spec.init == "zeros":
             return jnp.zeros(spec.shape, dtype)
-        if spec.init in ("bytes", "scale_bytes"):  # packed FP4 codes, E8M0 scales near 2**-4 (mxfp4.py)
-            low, high = (0, 256) if spec.init == "bytes" else (121, 125)
-            return jax.random.randint(key, spec.shape, low, high, jnp.int32).astype(dtype)
+        if spec.init in RANDOM_BYTES:  # packed MXFP4 experts
+            return jax.random.randint(key, spec.shape, *RANDOM_BYTES[spec.init], jnp.int32).astype(dtype)
         return (jax.random.normal(key, spec.shape, jnp.float32) * std).astype(dtype)
 
     return jax.jit(draw, out_shardings=placement)

@@ -29,6 +29,7 @@ from jaxserve.parallel import sharding
 from jaxserve.core.config import ModelConfig
 from jaxserve.model.param_spec import ParamSpec, is_spec
 from jaxserve.quant import host as quant_host
+from jaxserve.quant.mxfp4 import BLOCK, RANDOM_BYTES, Mxfp4, padded_width
 
 
 @struct.dataclass
@@ -136,8 +137,6 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
                       we_up=p([e, d, fe], ["expert", "embed", "expert_mlp"]),
                       we_down=p([e, fe, d], ["expert", "expert_mlp", "embed"]))
         if cfg.moe.expert_format == "mxfp4":  # packed as published: [E, out, in / 32, 16] bytes
-            from jaxserve.quant.mxfp4 import BLOCK, Mxfp4, padded_width
-
             def packed(out: int, inputs: int, out_axis: str | None, in_axis: str | None) -> Mxfp4:
                 return Mxfp4(blocks=ParamSpec((e, out, inputs // BLOCK, BLOCK // 2), jnp.uint8,
                                               ("expert", out_axis, in_axis, None), "bytes"),
@@ -226,8 +225,8 @@ def init_random(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, std: 
             return s.replace(qvalue=values, scale=scale)
         if s.init == "ones":
             return np.ones(s.shape, np.float32)
-        if s.init in ("bytes", "scale_bytes"):  # packed FP4 codes; scales near 2**-4 (E8M0, bias 127)
-            return rng.integers(0, 256, s.shape) if s.init == "bytes" else rng.integers(121, 125, s.shape)
+        if s.init in RANDOM_BYTES:  # packed MXFP4 experts
+            return rng.integers(*RANDOM_BYTES[s.init], s.shape)
         if s.init == "zeros":
             return np.zeros(s.shape, np.float32)
         return (rng.standard_normal(s.shape, dtype=np.float32) * std)

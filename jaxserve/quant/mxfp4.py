@@ -18,6 +18,9 @@ from flax import struct
 
 BLOCK = 32  # values per scale
 SCALE_BIAS = 127
+# random weights (--load-format dummy, tests): ParamSpec.init -> [low, high) of its bytes: any FP4
+# codes, E8M0 scales near 2**-4
+RANDOM_BYTES = {"bytes": (0, 256), "scale_bytes": (SCALE_BIAS - 6, SCALE_BIAS - 2)}
 # Expert widths are held padded to a multiple of this (zero codes: exact), so the packed groups of
 # the down projection split evenly over a tensor-parallel axis of up to 8 (gpt-oss: 2880 -> 3072)
 WIDTH_MULTIPLE = BLOCK * 8
