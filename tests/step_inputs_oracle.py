@@ -48,7 +48,8 @@ def rebuild(builder: StepInputBuilder, plan: StepPlan, prev_plan: StepPlan | Non
     slots = np.full(t_bucket, builder.pad_slot, np.int32)
     cu = np.zeros(s_bucket + 1, np.int32)
     seq_lens = np.zeros(s_bucket, np.int32)
-    page_tables = np.zeros((s_bucket, cfg.max_pages_per_seq), np.int32)
+    width = cfg.max_pages_per_seq
+    page_tables = np.zeros((s_bucket, builder.num_groups * width), np.int32)  # every layer group's table
     logits_index = np.zeros(l_bucket, np.int32)
     prev_row = np.full(t_bucket, -1, np.int32)
     lora_slot = np.full(t_bucket, -1, np.int32) if cfg.enable_lora else None
@@ -74,7 +75,8 @@ def rebuild(builder: StepInputBuilder, plan: StepPlan, prev_plan: StepPlan | Non
         positions[t:t + n] = pos
         token_seq[t:t + n] = i
         slots[t:t + n] = table[pos // ps] * ps + pos % ps
-        page_tables[i, : len(table)] = table
+        for g, group_table in enumerate(c.group_page_tables or [c.page_table]):
+            page_tables[i, g * width: g * width + len(group_table)] = group_table
         seq_lens[i] = c.start_pos + n
         if shift is not None:
             _shift_chunk(shift, t, c, plan, len(rows))

@@ -193,7 +193,7 @@ def test_check_invariants_catches_a_page_shared_outside_a_prefix():
     alloc.open("b", NS)
     alloc.grow("b", 8, 0)
     page, own = alloc.page_table("a")[1], alloc.page_table("b")[0]
-    alloc._tables["b"][0] = page  # b "holds" a's second page as its first (ref counts kept right)
+    alloc.page_table("b")[0] = page  # b "holds" a's second page as its first (ref counts kept right)
     alloc._ref[page] += 1
     alloc._ref[own] = 0
     alloc._free.append(own)

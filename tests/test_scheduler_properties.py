@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.core.config import EngineConfig
+from jaxserve.core.kv_groups import max_tokens
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.core.request import FinishReason, Request
 from jaxserve.core.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ class Setup:
     caching: bool
     host_pages: int = 0   # a host KV tier (page_allocator.py): evicted cached pages demoted there
     swap: bool = True     # preemption with a host tier: swap (keep the pages) or recompute
+    windows: tuple = (None,)  # KV layer groups' windows (kv_groups.py): sliding ones release pages
 
 
 def make(setup: Setup, num_pages: int | None = None, max_model_len: int = MAX_MODEL_LEN) -> Scheduler:
@@ -54,14 +56,14 @@ def make(setup: Setup, num_pages: int | None = None, max_model_len: int = MAX_MO
     cfg = EngineConfig(page_size=setup.page_size, num_kv_pages=pages, max_num_seqs=setup.max_num_seqs,
                        max_num_batched_tokens=setup.budget, max_model_len=max_model_len,
                        enable_prefix_caching=setup.caching, scheduling_policy=setup.policy, model_id="m")
-    s = Scheduler(cfg, PageAllocator(pages, setup.page_size, setup.caching, setup.host_pages))
+    s = Scheduler(cfg, PageAllocator(pages, setup.page_size, setup.caching, setup.host_pages, setup.windows))
     s.swap_costs = SwapCosts(1.0, 0.0) if setup.swap else SwapCosts(0.0, 1.0)
     return s
 
 
 def run_alone(setup: Setup, request: Request) -> dict[int, list[int]]:
     """Outputs of `request` alone on a pool too large to preempt, at the same context limit."""
-    limit = min(MAX_MODEL_LEN, setup.num_pages * setup.page_size)
+    limit = max_tokens(setup.windows, setup.num_pages, setup.page_size, setup.budget, MAX_MODEL_LEN)
     s = make(dataclasses.replace(setup, max_num_seqs=4, budget=64), num_pages=256, max_model_len=limit)
     s.add(dataclasses.replace(request))
     out: dict[int, list[int]] = {}
@@ -91,12 +93,12 @@ class Harness:
         self.inflight: StepPlan | None = None  # async: dispatched, not yet updated
         self.pool: dict[int, list[int | None]] = {}  # simulated device: page -> token whose K/V each slot holds
         self.host_pool: dict[int, list[int | None]] = {}  # simulated host tier: slot -> the same
-        self.limit = min(MAX_MODEL_LEN, setup.num_pages * setup.page_size)  # context limit (max_tokens None)
+        # context limit (max_tokens None): what the pool holds of one sequence (kv_groups.max_tokens)
+        self.limit = max_tokens(setup.windows, setup.num_pages, setup.page_size, setup.budget, MAX_MODEL_LEN)
 
     def submit(self, request: Request) -> None:
         total = len(request.prompt_token_ids) + (request.params.max_tokens or 1)
-        limit = min(MAX_MODEL_LEN, self.setup.num_pages * self.setup.page_size)
-        fits = total <= limit and request.params.n <= self.setup.max_num_seqs
+        fits = total <= self.limit and request.params.n <= self.setup.max_num_seqs
         try:
             self.s.add(request)
         except ValueError:
@@ -153,14 +155,16 @@ class Harness:
             assert end < (len(c.request.prompt_token_ids) + max_tokens if max_tokens else self.limit)
             assert c.output_token_ids == self.outputs[key]
             assert c.sample == (end == len(full) + pending)
-            assert c.page_table == alloc.page_table(c.seq_id) and len(c.page_table) == -(-end // ps)
-            for page in c.page_table[c.start_pos // ps:]:
-                assert alloc.ref_count(page) == 1, f"{c.seq_id} writes into shared page {page}"
-                assert page not in written
-                written.add(page)
+            assert c.page_table == alloc.page_table(c.seq_id)
+            for table in c.group_page_tables or [c.page_table]:  # every layer group's
+                assert len(table) == -(-end // ps)
+                for page in table[c.start_pos // ps:]:
+                    assert alloc.ref_count(page) == 1, f"{c.seq_id} writes into shared page {page}"
+                    assert page not in written
+                    written.add(page)
         # a copy fills the mid-page a chunk starts writing into: its own private copy of a shared page
         dsts = [d for _, d in plan.copies]
-        targets = {c.page_table[c.start_pos // ps] for c in plan.chunks if c.start_pos % ps}
+        targets = {t[c.start_pos // ps] for c in plan.chunks if c.start_pos % ps for t in c.group_page_tables or [c.page_table]}
         assert len(set(dsts)) == len(dsts) and set(dsts) <= targets
         for e in plan.finished:
             assert e.finish_reason is FinishReason.ABORT and e.token_id is None
@@ -187,12 +191,15 @@ class Harness:
                 pos = c.start_pos + i
                 if tok == PENDING_TOKEN:  # the id the previous step sampled, read on the device
                     tok = model(c.seq_id, pos)
-                self.pool.setdefault(c.page_table[pos // ps], [None] * ps)[pos % ps] = tok
-        for c in plan.chunks:  # attention: every chunk reads its context (cached + this step's)
+                for table in c.group_page_tables or [c.page_table]:
+                    self.pool.setdefault(table[pos // ps], [None] * ps)[pos % ps] = tok
+        for c in plan.chunks:  # attention: every chunk reads its context (cached + this step's), a
+            # sliding group only its window's (from the first query's window on)
             full = c.request.prompt_token_ids + self.outputs[(c.request.request_id, c.sample_index)]
-            for pos in range(c.start_pos):
-                got = self.pool.get(c.page_table[pos // ps], [None] * ps)[pos % ps]
-                assert got == full[pos], f"{c.seq_id} reads {got} at position {pos}, wrote {full[pos]}"
+            for table, window in zip(c.group_page_tables or [c.page_table], self.setup.windows):
+                for pos in range(0 if window is None else max(0, c.start_pos - window + 1), c.start_pos):
+                    got = self.pool.get(table[pos // ps], [None] * ps)[pos % ps]
+                    assert got == full[pos], f"{c.seq_id} reads {got} at position {pos}, wrote {full[pos]}"
 
     def update(self, plan: StepPlan) -> None:
         alloc = self.s.allocator
@@ -238,7 +245,8 @@ setups = st.builds(
     Setup, page_size=st.sampled_from([2, 4]), num_pages=st.integers(4, 14),
     max_num_seqs=st.integers(1, 4), budget=st.integers(4, 20),
     policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans(),
-    host_pages=st.sampled_from([0, 0, 2, 6, 24]), swap=st.booleans())
+    host_pages=st.sampled_from([0, 0, 2, 6, 24]), swap=st.booleans(),
+    windows=st.sampled_from([(None,), (None,), (None, 5), (None, 3, 3), (6,)]))
 
 submit_ops = st.tuples(
     st.just("submit"), st.integers(0, len(PREFIXES) - 1), st.integers(0, 16),

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 from jaxserve.core.buckets import declared_buckets, serving_programs
 from jaxserve.core.config import EngineConfig, ModelConfig
@@ -128,10 +129,12 @@ def flops_per_sampled_row(cfg: ModelConfig) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int, model_axis: int = 1, kv_cache_dtype: str = "auto") -> int:
-    """K and V of one token over all layers, on one device (KV heads split when the axis divides them);
-    8-bit pages (`kv_cache_dtype`) count their scales."""
+    """A page's bytes per token slot, on one device: K and V of every pool array (every layer of a
+    uniform stack; a stack of several layer groups shares arrays between them, kv_groups.py), KV
+    heads split when the axis divides them; 8-bit pages (`kv_cache_dtype`) count their scales."""
     heads = cfg.num_kv_heads // model_axis if cfg.num_kv_heads % model_axis == 0 else cfg.num_kv_heads
-    return 2 * cfg.num_layers * heads * kv_quant.bytes_per_head_token(kv_cache_dtype, cfg.head_dim, itemsize)
+    arrays = cfg.kv_groups.num_arrays
+    return 2 * arrays * heads * kv_quant.bytes_per_head_token(kv_cache_dtype, cfg.head_dim, itemsize)
 
 
 def step_temp_bytes(cfg: ModelConfig, tokens: int, rows: int, itemsize: int, model_axis: int = 1) -> int:
@@ -224,19 +227,23 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
                     f"in use - {_gib(temp)} step temporaries"
                     + (f" - {_gib(lora_bytes)} LoRA slots" if lora_bytes else ""))
         if machine.platform == "cpu":
-            num_pages, cap_why, same_tokens = _cpu_pool_cap(num_pages, page_bytes, engine.page_size,
-                                                            max_num_seqs, max_model_len)
+            num_pages, cap_why, same_tokens = _cpu_pool_cap(
+                num_pages, page_bytes, engine.page_size, max_num_seqs, max_model_len,
+                lambda tokens: model.kv_groups.pages_to_hold(tokens, engine.page_size, max_num_batched_tokens))
             pool_why += cap_why
     pool_tokens = num_pages * engine.page_size
-    if pool_tokens < max_model_len:
+    groups = model.kv_groups
+    hold = lambda tokens: groups.pages_to_hold(tokens, engine.page_size, max_num_batched_tokens)  # noqa: E731
+    seq_tokens = groups.max_tokens(num_pages, engine.page_size, max_num_batched_tokens, max_model_len)
+    if seq_tokens < max_model_len:
         if engine.max_model_len is not None:
-            raise ValueError(f"the KV pool holds {pool_tokens} tokens ({num_pages} pages, {pool_why}), less "
-                             f"than max_model_len {max_model_len}: lower --max-model-len or give the pool "
-                             f"{(-(-max_model_len // engine.page_size) - num_pages) * page_bytes} more bytes")
-        adjustments.append(f"max_model_len lowered from {max_model_len} to the pool's {pool_tokens} tokens")
-        max_model_len = pool_tokens
+            raise ValueError(f"the KV pool holds {seq_tokens} tokens of a sequence ({num_pages} pages, {pool_why}), "
+                             f"less than max_model_len {max_model_len}: lower --max-model-len or give the pool "
+                             f"{(hold(max_model_len) - num_pages) * page_bytes} more bytes")
+        adjustments.append(f"max_model_len lowered from {max_model_len} to the pool's {seq_tokens} tokens")
+        max_model_len = seq_tokens
     if engine.max_num_seqs is None:
-        bound = max(1, pool_tokens // MIN_TOKENS_PER_SEQ)
+        bound = max(1, num_pages // hold(MIN_TOKENS_PER_SEQ))
         if bound < max_num_seqs:
             adjustments.append(f"max_num_seqs lowered from {max_num_seqs} to {bound}: the pool's {pool_tokens} "
                                f"tokens give each at least {MIN_TOKENS_PER_SEQ}")
@@ -269,11 +276,13 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
         f"{machine.cpu_cores} cores",
         f"weights: {model.quantization.describe() if model.quantization else 'not quantized'}",
         f"KV pool: {num_pages} pages x {engine.page_size} tokens = {pool_tokens} tokens, {_gib(pool_bytes)} per "
-        f"device ({pool_why})",
+        f"device ({pool_why})" + ("" if groups.num_groups == 1 and groups.windows[0] is None
+                                  else f"; {groups.describe()}"),
         f"KV cache dtype {engine.kv_cache_dtype}: {kv_words}",
         f"max_model_len {max_model_len}; max_num_seqs {max_num_seqs}; max_num_batched_tokens "
         f"{max_num_batched_tokens} ({'set' if engine.max_num_batched_tokens else why})",
-        _concurrency(pool_tokens, max_model_len, max_num_seqs),
+        _concurrency(groups.sequences_held(num_pages, max_model_len, engine.page_size, max_num_batched_tokens),
+                     pool_tokens, max_model_len, max_num_seqs),
         f"buckets: tokens {list(resolved.resolved_token_buckets())} x seqs {list(resolved.resolved_seq_buckets())}"
         f" -> {num_forwards} forward programs{' (with draft rows)' if num_forwards > len(buckets) else ''}; a step of n >= {buckets[0][0]} tokens pads to <= "
         f"{_padding_bound(resolved):.1f} n; "
@@ -293,14 +302,17 @@ def _pool_bytes_per_token(model: ModelConfig, draft: ModelConfig | None, itemsiz
 
 
 def _cpu_pool_cap(num_pages: int, page_bytes: int, page_size: int, max_num_seqs: int,
-                  max_model_len: int) -> tuple[int, str, bool]:
+                  max_model_len: int, pages_for: Callable[[int], int]) -> tuple[int, str, bool]:
     """(pages, words for the pool line, whether the token cap fixed the pool's tokens) after a CPU's
     two caps on a pool sized from free memory. Both bound the pool's total, never one sequence's
     length, so the token cap holds at least one max_model_len sequence and the words name only the
     cap that bound, with its arithmetic."""
     per_seq = min(max_model_len, CPU_TOKENS_PER_SEQ)
     cap_tokens = max(max_num_seqs * per_seq, max_model_len)
-    token_pages = -(-cap_tokens // page_size)
+    # pages_for(tokens): the pages a sequence of that length holds (per layer group; a sliding one
+    # keeps its window's); a uniform stack's is the tokens' pages
+    plain = -(-per_seq // page_size)
+    token_pages = max(-(-cap_tokens // page_size) * pages_for(per_seq) // plain, pages_for(max_model_len))
     byte_pages = CPU_MAX_POOL_BYTES // page_bytes
     if num_pages <= min(token_pages, byte_pages):
         return num_pages, "", False
@@ -318,9 +330,8 @@ def _cpu_pool_cap(num_pages: int, page_bytes: int, page_size: int, max_num_seqs:
     return token_pages, f"; capped at the CPU pool size limit of {cap_tokens} tokens = {terms}{rounded}", True
 
 
-def _concurrency(pool_tokens: int, max_model_len: int, max_num_seqs: int) -> str:
-    """How many sequences of max_model_len run at once: what the pool holds, at most max_num_seqs."""
-    fits = pool_tokens / max_model_len
+def _concurrency(fits: float, pool_tokens: int, max_model_len: int, max_num_seqs: int) -> str:
+    """How many sequences of max_model_len run at once: what the pool holds (`fits`), at most max_num_seqs."""
     head = f"max concurrency at max_model_len {max_model_len}:"
     if fits >= max_num_seqs:
         plural = "s" if max_num_seqs != 1 else ""

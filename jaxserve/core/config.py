@@ -8,6 +8,7 @@ cannot serve faithfully raises a `ValueError` that names the field.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxserve.core import buckets
 from jaxserve.core.hf_families import parse_hf_config
+from jaxserve.core.kv_groups import KVGroups, kv_groups
 from jaxserve.core.layer_kinds import LayerKind, MoEConfig, RopeConfig
 from jaxserve.quant import kv as kv_quant
 from jaxserve.speculative.config import SpeculativeConfig
@@ -64,10 +66,21 @@ class ModelConfig:
     attn_soft_cap: float | None = None     # attention logits -> cap * tanh(logits / cap) (Gemma 2)
     final_soft_cap: float | None = None    # the lm_head's logits, likewise
     attention_sinks: bool = False          # a learned logit per q head that takes softmax mass (gpt-oss)
+    # The KV pool as one layer group whatever the windows (sliding layers then keep every page): a
+    # draft model, whose steps read the target's first group's tables, is set so (kv_groups.py)
+    single_kv_group: bool = False
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
         return tuple(kind.window for kind in self.layers)
+
+    @functools.cached_property
+    def kv_groups(self) -> KVGroups:
+        """The KV pool's layer groups (kv_groups.py): sliding layers keep only their window."""
+        windows = self.layer_windows
+        if self.single_kv_group or len(set(windows)) <= 1:
+            return kv_groups((None if self.single_kv_group or not windows else windows[0],) * self.num_layers)
+        return kv_groups(windows)
 
     @property
     def rope(self) -> RopeConfig:

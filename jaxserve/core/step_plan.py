@@ -39,6 +39,9 @@ class ScheduledChunk:
     lora_slot: int = -1          # multi-LoRA: the adapter's device slot (-1: the base model)
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)  # speculative: the last
                                  # len(draft_token_ids) entries of token_ids, each also a sample row
+    # a stack of several KV layer groups (core/kv_groups.py): every group's table, page_table
+    # first (live lists, like it); empty for one group
+    group_page_tables: list[list[int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_sample_rows(self) -> int:

@@ -83,10 +83,11 @@ class Admission:
             if leader.prefix_keys is None or leader.prefix_keys[0] != num_tokens:
                 # hashed once while the head of the line waits, not at every step it stays blocked
                 leader.prefix_keys = (num_tokens, alloc.prefix_keys(leader.token_slice(0, num_tokens), namespace))
-            cached, num_cached = alloc.match_keys(leader.prefix_keys[1])
+            keys = leader.prefix_keys[1]
+            cached, num_cached = alloc.match_groups(keys)
             assert num_cached <= leader.target_len  # the match never covers the last token
             first = min(leader.target_len - num_cached, st.budget)
-            if not alloc.can_allocate(alloc.pages_needed(num_cached + first) - len(cached), holding=cached):
+            if not alloc.fits(cached, num_cached + first):
                 break  # head of line waits: no skipping, so nobody starves
             lora = leader.request.lora_name
             if lora is not None and not self.lora_slots.available(lora):
@@ -95,9 +96,9 @@ class Admission:
                 break  # its adapter is being read from disk (off the engine thread): admitted once in
             self._waiting.popleft()
             leader.prefix_keys = None
-            alloc.open(leader.seq_id, namespace, cached, num_query_tokens=num_tokens)
+            alloc.open_groups(leader.seq_id, namespace, cached, keys, num_query_tokens=num_tokens)
             if leader.admitted_once:  # a preempted sequence resumes: what came back from the host is a swap-in
-                self._num_swapped_in_pages += sum(1 for p in cached if p < 0)
+                self._num_swapped_in_pages += sum(1 for pages in cached for p in pages if p is not None and p < 0)
             st.cache_hit_tokens += num_cached
             if not leader.admitted_once:  # a recompute keeps the first admission's figure
                 leader.num_cached_prompt_tokens = num_cached
@@ -147,7 +148,7 @@ class Admission:
         if chunk is not None:  # already scheduled this step: take it back
             st.plan.chunks.remove(chunk)
             st.budget += len(chunk.token_ids)
-            mine = set(self.allocator.page_table(victim.seq_id))
+            mine = set(self.allocator.held_pages(victim.seq_id))
             st.plan.copies = [cp for cp in st.plan.copies if cp[1] not in mine]
         unit = [victim, *victim.pending_siblings]
         for seq in unit:

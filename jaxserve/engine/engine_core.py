@@ -79,7 +79,8 @@ class EngineCore:
         self.runner = ModelRunner(model_cfg, weights, engine_cfg, mesh, dtype, draft)
         self.engine_cfg = engine_cfg = self.runner.engine_cfg  # every size resolved
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
-                                       engine_cfg.enable_prefix_caching, self.runner.num_host_pages)
+                                       engine_cfg.enable_prefix_caching, self.runner.num_host_pages,
+                                       windows=kept_windows(model_cfg, engine_cfg))
         self.scheduler = Scheduler(engine_cfg, self.allocator)
         self.scheduler.swap_costs = self.runner.swap_costs
         if self.runner.lora is not None:
@@ -192,9 +193,9 @@ class EngineCore:
 
     def import_prefix(self, token_ids: list[int], cache_salt: str | None, num_pages: int,
                       leaves: list[Any]) -> "Future[int]":
-        """Enters the first `num_pages` full pages of `token_ids`, whose K/V is `leaves` (host
-        arrays), into the prefix cache (pages already cached are kept); the future gives the pages
-        written."""
+        """Enters the full pages of `token_ids` whose K/V is `leaves` (host arrays of `num_pages`
+        rows, as export_prefix lays them out: every layer group's) into the prefix cache (pages
+        already cached are kept); the future gives the pages written."""
         def check() -> None:
             self.runner.check_pages([(tuple(leaf.shape[1:]), leaf.dtype.name) for leaf in leaves])
 
@@ -222,11 +223,12 @@ class EngineCore:
 
     def _import(self, token_ids: list[int], cache_salt: str | None, num_pages: int, fetch: Callable[[], Any],
                 write: Callable[[Any, list[tuple[int, int]]], None]) -> "Future[int]":
-        """Keys the first `num_pages` full pages of `token_ids` in the prefix cache once fetch() has
+        """Keys the full pages of `token_ids` shipped as `num_pages` rows in the prefix cache once fetch() has
         their K/V (it raises ValueError when they cannot be used: nothing is keyed), then
         write(fetched, [(row, page)]) fills the pages it took."""
+        rows, num_pages = num_pages, self.allocator.prefix_of_rows(num_pages)  # every layer group's pages
         if num_pages * self.engine_cfg.page_size > len(token_ids):
-            raise ValueError(f"{num_pages} pages of K/V for {len(token_ids)} tokens")
+            raise ValueError(f"{rows} pages of K/V for {len(token_ids)} tokens")
 
         def job() -> int:
             if num_pages == 0:  # a prompt shorter than a page: nothing was cached to ship
@@ -389,3 +391,14 @@ class EngineCore:
         if since.num_drafts:
             logger.info("%s", since.summary())
         self._spec_logged = (time.monotonic(), stats.copy())
+
+
+def kept_windows(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> tuple[int | None, ...]:
+    """The windows the allocator releases pages behind, per KV layer group: the model's, except
+    that a proposer running its own layers over the target's first group's tables (a draft model,
+    an EAGLE-3 head: full attention) needs that group to keep every page."""
+    windows = model_cfg.kv_groups.windows
+    spec = engine_cfg.speculative_config
+    if spec is not None and spec.method in ("draft_model", "eagle3") and windows[0] is not None:
+        return (None, *windows[1:])
+    return windows

@@ -37,6 +37,9 @@ class HostTierIndex:
     def lookup(self, key: bytes) -> int | None:
         return self._cached.get(key)
 
+    def key_of(self, host: int) -> bytes:
+        return self._key[host]
+
     def holds(self, host: int) -> bool:
         return host in self._key
 

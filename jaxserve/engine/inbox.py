@@ -76,7 +76,7 @@ class Inbox:
         if total > cfg.max_model_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
                              f"max_model_len ({cfg.max_model_len})")
-        pages = self.allocator.pages_needed(total)
+        pages = self.allocator.pages_to_hold(total, cfg.max_num_batched_tokens)
         if pages > self.allocator.num_pages:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {pages} KV "
                              f"pages; the pool has {self.allocator.num_pages}")

@@ -1,5 +1,7 @@
-"""Host-side KV page allocator: free list, reference counts, per-sequence page tables, and a
-prefix cache of full pages keyed by a hash chain.
+"""Host-side KV page allocator: free list, reference counts, per-sequence page tables (one per KV
+layer group: core/kv_groups.py; a sliding group's releases the pages behind its window,
+`release_window`), and a prefix cache of full pages keyed by a hash chain (prefix_keys.py, looked up
+by prefix_match.py; shipped between engines by page_shipping.py).
 
 Every page is in exactly one state:
   free       ref 0, no hash              (on the free list)
@@ -32,11 +34,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
-from array import array
 from collections.abc import Sequence as Seq
 
+from jaxserve.core import kv_groups
 from jaxserve.engine.host_tier_index import HostTierIndex, Transfers
+from jaxserve.engine.page_invariants import check_invariants
+from jaxserve.engine.page_shipping import ShippedPages
+from jaxserve.engine.prefix_keys import host_page, namespace_key, page_key  # noqa: F401  (host_page: re-exported)
+from jaxserve.engine.prefix_match import PrefixMatch
 
 
 class NoFreePagesError(RuntimeError):
@@ -53,22 +58,10 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-def namespace_key(namespace: str) -> bytes:
-    return hashlib.sha256(b"jaxserve-prefix\x00" + namespace.encode("utf-8")).digest()
-
-
-def page_key(parent: bytes, tokens: Seq[int]) -> bytes:
-    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
-
-
-def host_page(index: int) -> int:
-    """How `match_prefix` lists a hit in the host tier: negative, so device pages stay >= 0."""
-    return -1 - index
-
-
-class PageAllocator:
+class PageAllocator(PrefixMatch, ShippedPages):
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 num_host_pages: int = 0) -> None:
+                 num_host_pages: int = 0, windows: Seq[int | None] = (None,)) -> None:
+        """windows: per KV layer group (core/kv_groups.py) its sliding window, None for full attention."""
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
         if not isinstance(page_size, int) or page_size <= 0:
@@ -76,12 +69,17 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = tuple(windows)
+        self.num_groups = len(self.windows)
+        self.has_windows = any(w is not None for w in self.windows)  # some group releases pages
         self._free: collections.deque[int] = collections.deque(range(num_pages))
         self._ref = [0] * num_pages
-        self._page_key: dict[int, bytes] = {}          # hashed page -> its key
+        self._page_key: dict[int, bytes] = {}          # hashed page -> its key (group-tagged: _group_key)
         self._cached: dict[bytes, int] = {}            # key -> page (the prefix cache)
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU, oldest first
-        self._tables: dict[str, list[int]] = {}
+        # per sequence, per group: the page table (entries before _lo are released, stale ids)
+        self._tables: dict[str, list[list[int]]] = {}
+        self._lo: dict[str, list[int]] = {}
         # keys of a sequence's full pages, in order (the chain continues from the last one)
         self._seq_keys: dict[str, list[bytes]] = {}
         self._seq_root: dict[str, bytes] = {}
@@ -103,7 +101,20 @@ class PageAllocator:
         return len(self._evictable)
 
     def pages_needed(self, num_tokens: int) -> int:
+        """Entries of one group's table covering `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
+
+    def first_needed_page(self, group: int, position: int) -> int:
+        """The first page of `group` a query at `position` or later may read (kv_groups.py)."""
+        return kv_groups.first_needed_page(self.windows[group], position, self.page_size)
+
+    def pages_to_hold(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most pages one sequence of `num_tokens` tokens holds, in chunks of `chunk_tokens`."""
+        return kv_groups.pages_to_hold(self.windows, num_tokens, self.page_size, chunk_tokens)
+
+    def max_tokens(self, limit: int, chunk_tokens: int) -> int:
+        """The longest sequence (at most `limit` tokens) whose pages_to_hold fit in the pool."""
+        return kv_groups.max_tokens(self.windows, self.num_pages, self.page_size, chunk_tokens, limit)
 
     @property
     def num_host_pages_used(self) -> int:
@@ -113,14 +124,28 @@ class PageAllocator:
         """Whether `num_new_pages` fresh pages fit after taking references on `holding` (pages from
         `match_prefix`; the evictable ones among them stop being allocatable once held, and each
         host hit needs a device page to come back into)."""
-        taken = sum(1 for p in holding if p < 0 or self._ref[p] == 0)
+        taken = sum(1 for p in holding if p is not None and (p < 0 or self._ref[p] == 0))
         return num_new_pages <= self.num_free_pages - taken
+
+    def fits(self, cached: Seq[Seq[int | None]], num_tokens: int) -> bool:
+        """Whether a sequence opened on `cached` (from `match_groups`) can grow to `num_tokens`."""
+        new = self.num_groups * (self.pages_needed(num_tokens) - len(cached[0]))
+        return self.can_allocate(new, [p for pages in cached for p in pages])
 
     def has_sequence(self, seq_id: str) -> bool:
         return seq_id in self._tables
 
     def page_table(self, seq_id: str) -> list[int]:
+        """The first group's table (the live list; a uniform stack's only one)."""
+        return self._tables[seq_id][0]
+
+    def page_tables(self, seq_id: str) -> list[list[int]]:
+        """Every group's table (live lists), in group order."""
         return self._tables[seq_id]
+
+    def held_pages(self, seq_id: str) -> list[int]:
+        """The pages `seq_id` holds a reference on, every group's."""
+        return [p for table, lo in zip(self._tables[seq_id], self._lo[seq_id]) for p in table[lo:]]
 
     def ref_count(self, page: int) -> int:
         return self._ref[page]
@@ -128,87 +153,87 @@ class PageAllocator:
     def is_cached(self, page: int) -> bool:
         return page in self._page_key
 
-    def prefix_keys(self, token_ids: Seq[int], namespace: str) -> list[bytes]:
-        """The prefix-cache keys of the full pages of `token_ids` before its last token (what
-        `match_prefix` looks up); a caller may keep them while the tokens do not change."""
-        if not self.enable_prefix_caching or len(token_ids) < 2:
-            return []
-        ps = self.page_size
-        key = namespace_key(namespace)
-        keys = []
-        for i in range((len(token_ids) - 1) // ps):
-            key = page_key(key, token_ids[i * ps:(i + 1) * ps])
-            keys.append(key)
-        return keys
-
-    def match_prefix(self, token_ids: Seq[int], namespace: str) -> tuple[list[int], int]:
-        """Longest run of cached full pages that prefixes `token_ids` in `namespace`.
-
-        Never covers the last token: it must be computed so the step has logits to sample from.
-        Pure lookup: takes no references and counts nothing (see `open`). A page found only in the
-        host tier is listed as `host_page(index)` (negative).
-        """
-        return self.match_keys(self.prefix_keys(token_ids, namespace))
-
-    def match_keys(self, keys: Seq[bytes]) -> tuple[list[int], int]:
-        """match_prefix for tokens whose `prefix_keys` the caller kept (no hashing)."""
-        pages: list[int] = []
-        for key in keys:
-            page = self._cached.get(key)
-            if page is None:
-                host = self.host.lookup(key)
-                if host is None:
-                    break
-                page = host_page(host)
-            pages.append(page)
-        return pages, len(pages) * self.page_size
-
     # ---- sequence lifetime ---------------------------------------------------------------------
 
     def open(self, seq_id: str, namespace: str, cached_pages: Seq[int] = (),
              num_query_tokens: int = 0) -> None:
         """Starts `seq_id`'s page table with references on `cached_pages` (from `match_prefix`) and
-        records the prefix-cache lookup of `num_query_tokens` prompt tokens."""
-        if seq_id in self._tables:
-            raise ValueError(f"sequence {seq_id!r} already has a page table")
+        records the prefix-cache lookup of `num_query_tokens` prompt tokens (one layer group)."""
         for page in cached_pages:
             if page >= 0 and page not in self._page_key or page < 0 and not self.host.holds(-1 - page):
                 raise ValueError(f"{'host ' if page < 0 else ''}page {page if page >= 0 else -1 - page} is not "
                                  "a cached page")
-        table = list(cached_pages)
-        for page in table:  # device hits first: a promotion's fresh page must not evict one of them
-            if page >= 0:
-                self._take(page)
-        for i, page in enumerate(table):
-            if page < 0:  # a host hit: back into a fresh device page before the step
-                key = self.host.reserve(-1 - page)
-                table[i] = self._pop_fresh()
-                self.host.promoted(-1 - page, table[i])
-                self._cached[key] = table[i]
-                self._page_key[table[i]] = key
-                self.host_hit_tokens += self.page_size
-        keys = [self._page_key[page] for page in table]
-        self._tables[seq_id] = table
-        self._seq_keys[seq_id] = keys
+        keys = [self._page_key[p] if p >= 0 else self.host.key_of(-1 - p) for p in cached_pages]
+        self.open_groups(seq_id, namespace, [list(cached_pages)], keys, num_query_tokens)
+
+    def open_groups(self, seq_id: str, namespace: str, cached: Seq[Seq[int | None]], keys: Seq[bytes],
+                    num_query_tokens: int = 0) -> None:
+        """Starts `seq_id`'s tables with references on `cached` (from `match_groups`: per group, None
+        where its window no longer reads), `keys` the prefix keys they cover."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already has a page table")
+        if len(cached) != self.num_groups:
+            raise ValueError(f"{len(cached)} groups of cached pages for {self.num_groups} layer groups")
+        n = len(cached[0])
+        tables, los = [], []
+        for pages in cached:  # device hits first: a promotion's fresh page must not evict one of them
+            for page in pages:
+                if page is not None and page >= 0:
+                    self._take(page)
+        for pages in cached:
+            table = [0 if page is None else page for page in pages]
+            lo = next((i for i, page in enumerate(pages) if page is not None), len(pages))
+            for i in range(lo, len(table)):
+                if table[i] < 0:  # a host hit: back into a fresh device page before the step
+                    key = self.host.reserve(-1 - table[i])
+                    host, table[i] = -1 - table[i], self._pop_fresh()
+                    self.host.promoted(host, table[i])
+                    self._cached[key] = table[i]
+                    self._page_key[table[i]] = key
+                    self.host_hit_tokens += self.page_size
+            tables.append(table)
+            los.append(lo)
+        self._tables[seq_id] = tables
+        self._lo[seq_id] = los
+        self._seq_keys[seq_id] = list(keys[:n])
         self._seq_root[seq_id] = namespace_key(namespace)
         if num_query_tokens:
             self.stats.queries += num_query_tokens
-            self.stats.hits += len(cached_pages) * self.page_size
+            self.stats.hits += n * self.page_size
+
+    def release_window(self, seq_id: str, position: int) -> None:
+        """Releases the pages of `seq_id`'s sliding groups that no query at `position` or later
+        reads (they become evictable when cached, else free). Their entries stay as stale ids."""
+        if not self.has_windows:
+            return
+        tables, los = self._tables[seq_id], self._lo[seq_id]
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            table, lo = tables[g], los[g]
+            new_lo = min(self.first_needed_page(g, position), len(table))
+            for i in range(lo, new_lo):
+                self._release(table[i])
+            if new_lo > lo:
+                los[g] = new_lo
 
     def pages_to_grow(self, seq_id: str, num_tokens: int, write_start: int) -> int:
         """Fresh pages `grow(seq_id, num_tokens, write_start)` would take (new pages plus private
         copies of shared pages that the write [write_start, num_tokens) touches)."""
-        table = self._tables[seq_id]
-        needed, have = -(-num_tokens // self.page_size), len(table)
+        needed = -(-num_tokens // self.page_size)
         ref = self._ref
-        cow = 0
-        for i in range(write_start // self.page_size, min(have, needed)):
-            if ref[table[i]] > 1:
-                cow += 1
-        return cow + (needed - have if needed > have else 0)
+        total = 0
+        for table, lo in zip(self._tables[seq_id], self._lo[seq_id]):
+            have = len(table)
+            for i in range(max(lo, write_start // self.page_size), min(have, needed)):
+                if ref[table[i]] > 1:
+                    total += 1
+            if needed > have:
+                total += needed - have
+        return total
 
     def grow(self, seq_id: str, num_tokens: int, write_start: int) -> list[tuple[int, int]]:
-        """Makes `seq_id`'s table cover `num_tokens` tokens, with a private page under every position
+        """Makes `seq_id`'s tables cover `num_tokens` tokens, with a private page under every position
         in [write_start, num_tokens). Returns the (src, dst) copies the device must do first.
         Raises NoFreePagesError, changing nothing, when the pool cannot cover it."""
         need = self.pages_to_grow(seq_id, num_tokens, write_start)
@@ -216,40 +241,44 @@ class PageAllocator:
             return []
         if need > self.num_free_pages:
             raise NoFreePagesError(f"sequence {seq_id!r} needs {need} pages, {self.num_free_pages} free")
-        table = self._tables[seq_id]
         needed = -(-num_tokens // self.page_size)
         copies = []
-        for i in range(write_start // self.page_size, min(len(table), needed)):
-            src = table[i]
-            if self._ref[src] > 1:  # shared (after a fork): copy on write
-                dst = self._pop_fresh()
-                self._ref[src] -= 1
-                table[i] = dst
-                copies.append((src, dst))
-        while len(table) < needed:
-            table.append(self._pop_fresh())
+        for table, lo in zip(self._tables[seq_id], self._lo[seq_id]):
+            for i in range(max(lo, write_start // self.page_size), min(len(table), needed)):
+                src = table[i]
+                if self._ref[src] > 1:  # shared (after a fork): copy on write
+                    dst = self._pop_fresh()
+                    self._ref[src] -= 1
+                    table[i] = dst
+                    copies.append((src, dst))
+            while len(table) < needed:
+                table.append(self._pop_fresh())
         return copies
 
     def commit(self, seq_id: str, token_ids: Seq[int], start: int = 0) -> None:
         """Enters the full pages of `token_ids` (K/V computed; from position `start`, a page boundary
         at or before the first uncommitted page: no need to pass the whole context) into the prefix
-        cache. Keyed pages are skipped; a page whose key another page holds stays private."""
+        cache. Keyed pages are skipped; a page whose key another page holds stays private, and so
+        does a sliding group's page already released."""
         if not self.enable_prefix_caching:
             return
         keys = self._seq_keys[seq_id]
-        table = self._tables[seq_id]
+        tables, los = self._tables[seq_id], self._lo[seq_id]
         ps = self.page_size
         if start % ps or start > len(keys) * ps:
             raise ValueError(f"commit from position {start}: not a page boundary at or before page {len(keys)}")
-        full = min((start + len(token_ids)) // ps, len(table))
+        full = min((start + len(token_ids)) // ps, len(tables[0]))
         for i in range(len(keys), full):
             parent = keys[-1] if keys else self._seq_root[seq_id]
             key = page_key(parent, token_ids[i * ps - start:(i + 1) * ps - start])
             keys.append(key)
-            page = table[i]
-            if key not in self._cached and page not in self._page_key:
-                self._cached[key] = page
-                self._page_key[page] = key
+            for g, (table, lo) in enumerate(zip(tables, los)):
+                if i < lo:
+                    continue
+                page, gkey = table[i], self._group_key(g, key)
+                if gkey not in self._cached and page not in self._page_key:
+                    self._cached[gkey] = page
+                    self._page_key[page] = gkey
 
     def num_committed_pages(self, seq_id: str) -> int:
         return len(self._seq_keys[seq_id])
@@ -258,25 +287,21 @@ class PageAllocator:
         """`child_id` shares every page of `parent_id` (read-only until `grow` copies on write)."""
         if child_id in self._tables:
             raise ValueError(f"sequence {child_id!r} already has a page table")
-        table = self._tables[parent_id]
-        for page in table:
+        for page in self.held_pages(parent_id):
             self._ref[page] += 1
-        self._tables[child_id] = list(table)
+        self._tables[child_id] = [list(table) for table in self._tables[parent_id]]
+        self._lo[child_id] = list(self._lo[parent_id])
         self._seq_keys[child_id] = list(self._seq_keys[parent_id])
         self._seq_root[child_id] = self._seq_root[parent_id]
 
     def free(self, seq_id: str) -> None:
         """Drops `seq_id`'s references. Pages reaching 0 become evictable if cached, else free.
         Tail pages are released first so the LRU evicts a sequence's tail before its head."""
-        table = self._tables.pop(seq_id)
+        tables, los = self._tables.pop(seq_id), self._lo.pop(seq_id)
         del self._seq_keys[seq_id], self._seq_root[seq_id]
-        for page in reversed(table):
-            self._ref[page] -= 1
-            if self._ref[page] == 0:
-                if page in self._page_key:
-                    self._evictable[page] = None
-                else:
-                    self._free.append(page)
+        for table, lo in zip(tables, los):
+            for page in reversed(table[lo:]):
+                self._release(page)
 
     def reset_prefix_cache(self) -> int:
         """Forgets every evictable cached page (held pages keep their keys) and the host tier.
@@ -292,46 +317,10 @@ class PageAllocator:
     def forget(self, seq_id: str) -> None:
         """Drops the keys of `seq_id`'s pages that nobody else holds, then frees it: its K/V will
         be recomputed, not kept for a prefix hit (a preemption that chose recompute over swap)."""
-        for page in self._tables[seq_id]:
+        for page in self.held_pages(seq_id):
             if self._ref[page] == 1 and page in self._page_key:
                 self._unkey(page)
         self.free(seq_id)
-
-    def device_prefix(self, token_ids: Seq[int], namespace: str) -> list[int]:
-        """The device pages caching `token_ids`' full pages from the start (a host hit ends it):
-        what a prefill instance exports (every full page, the last token's included)."""
-        ps, key, pages = self.page_size, namespace_key(namespace), []
-        for i in range(len(token_ids) // ps):
-            key = page_key(key, token_ids[i * ps:(i + 1) * ps])
-            page = self._cached.get(key)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
-
-    def import_pages(self, token_ids: Seq[int], namespace: str, num_pages: int) -> list[tuple[int, int]]:
-        """Caches the first `num_pages` full pages of `token_ids` whose K/V arrives from elsewhere (a
-        prefill instance): each one not cached yet gets a fresh device page, keyed and evictable.
-        Returns (index among the pages, device page) for the pages the caller must fill before any
-        step reads them; none when the pool cannot take them all."""
-        if not self.enable_prefix_caching:
-            return []
-        ps, key, todo = self.page_size, namespace_key(namespace), []
-        for i in range(num_pages):
-            key = page_key(key, token_ids[i * ps:(i + 1) * ps])
-            if key not in self._cached:
-                todo.append((i, key))
-        if len(todo) > self.num_free_pages:
-            return []
-        out = []
-        for i, key in todo:
-            page = self._pop_fresh()
-            self._ref[page] = 0
-            self._cached[key] = page
-            self._page_key[page] = key
-            self._evictable[page] = None
-            out.append((i, page))
-        return out
 
     def drain_transfers(self) -> Transfers:
         """The demotions and promotions since the last drain (the device does them before the
@@ -339,6 +328,14 @@ class PageAllocator:
         return self.host.drain()
 
     # ---- internals -----------------------------------------------------------------------------
+
+    def _release(self, page: int) -> None:
+        self._ref[page] -= 1
+        if self._ref[page] == 0:
+            if page in self._page_key:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
 
     def _take(self, page: int) -> None:
         if self._ref[page] == 0:
@@ -364,37 +361,5 @@ class PageAllocator:
     # ---- checks (tests) ------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raises AssertionError when the bookkeeping is inconsistent."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "free list holds a page twice"
-        holders: dict[int, list[tuple[str, int]]] = collections.defaultdict(list)
-        for seq_id, table in self._tables.items():
-            assert len(table) == len(set(table)), f"{seq_id} holds a page twice"
-            for idx, page in enumerate(table):
-                holders[page].append((seq_id, idx))
-        for page in range(self.num_pages):
-            states = [page in self._evictable, page in free, self._ref[page] > 0]
-            assert sum(states) == 1, f"page {page} is in {sum(states)} states (evictable, free, held)"
-            assert self._ref[page] == len(holders.get(page, ())), (
-                f"page {page}: ref {self._ref[page]} != {len(holders.get(page, ()))} page tables")
-            if page in self._evictable:
-                assert page in self._page_key, f"evictable page {page} has no key"
-            if page in free:
-                assert page not in self._page_key, f"free page {page} still has a key"
-        for key, page in self._cached.items():
-            assert self._page_key.get(page) == key, f"cache entry for page {page} disagrees"
-        assert len(self._cached) == len(self._page_key)
-        # Shared read-only: the page sits at the same position in every table holding it, behind the
-        # same tokens (same key chain; with caching off only forks share, so the same pages).
-        prefix_of = self._seq_keys if self.enable_prefix_caching else self._tables
-        for page, where in holders.items():
-            first_seq, idx = where[0]
-            for seq_id, other_idx in where[1:]:
-                assert other_idx == idx and prefix_of[seq_id][:idx] == prefix_of[first_seq][:idx], (
-                    f"page {page} shared by {first_seq} and {seq_id} not as a common prefix")
-        self.host.check_invariants()
-        for seq_id, keys in self._seq_keys.items():
-            assert len(keys) <= len(self._tables[seq_id]), f"{seq_id} has keys past its table"
-            for key, page in zip(keys, self._tables[seq_id]):
-                if page in self._page_key:
-                    assert self._page_key[page] == key, f"{seq_id}: page {page} keyed for other tokens"
+        """Raises AssertionError when the bookkeeping is inconsistent (page_invariants.py)."""
+        check_invariants(self)

@@ -90,8 +90,7 @@ class Scheduler(Admission, Inbox):
         self.config = cfg
         self.allocator = allocator
         self._priority = cfg.scheduling_policy == "priority"
-        # A sequence may grow to this many tokens: the model's context, or the whole pool if smaller.
-        self._context_limit = min(cfg.max_model_len, allocator.num_pages * allocator.page_size)
+        self._context_limit = allocator.max_tokens(cfg.max_model_len, cfg.max_num_batched_tokens)  # per sequence
         self._lock = threading.Lock()  # add/abort/finish may come from other threads
         self._incoming: list[list[Sequence]] = []
         self._removals: list[tuple[str, int | None, bool]] = []  # (request_id, sample_index, is_abort)
@@ -184,8 +183,7 @@ class Scheduler(Admission, Inbox):
             self._remove(request_id, sample_index, is_abort, st.plan)
         st.speculate = self.speculation_active()
 
-        # decodes first, then prefill continuations: one pass over the running sequences, the
-        # second only over those the first did not schedule
+        # decodes first, then prefill continuations (a second pass over those the first left)
         rest = self._schedule_running(list(self._running), st, decode_phase=True)
         self._schedule_running(rest, st, decode_phase=False)
         if not st.preempted:
@@ -312,6 +310,9 @@ class Scheduler(Admission, Inbox):
         length = min(seq.target_len - start, st.budget)
         if length <= 0:
             return
+        if alloc.has_windows:  # pages a sliding window left go back to the pool, cached first
+            self._commit(seq)
+            alloc.release_window(seq.seq_id, start)
         drafts = self.drafting.drafts(seq, st.budget) if st.speculate and length == 1 else []
         if drafts and alloc.pages_to_grow(seq.seq_id, start + 1 + len(drafts), start) > alloc.num_free_pages:
             drafts = []  # speculation never takes the last pages, nor preempts anyone
@@ -338,7 +339,8 @@ class Scheduler(Admission, Inbox):
             seq_id=seq.seq_id, request=seq.request, sample_index=seq.sample_index,
             token_ids=token_ids + drafts if drafts else token_ids, start_pos=start,
             page_table=alloc.page_table(seq.seq_id), sample=stop == seq.num_tokens + seq.num_inflight,
-            output_token_ids=seq.output_token_ids, lora_slot=seq.lora_slot, draft_token_ids=drafts)
+            output_token_ids=seq.output_token_ids, lora_slot=seq.lora_slot, draft_token_ids=drafts,
+            group_page_tables=alloc.page_tables(seq.seq_id) if alloc.num_groups > 1 else [])
         st.plan.chunks.append(chunk)
         st.plan.copies.extend(copies)
         st.scheduled[seq.seq_id] = chunk

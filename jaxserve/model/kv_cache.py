@@ -1,6 +1,8 @@
 """The device-side KV page pool: shapes, shardings, the write of new K/V into slots, page copies.
 
-Per layer one K and one V array of shape [num_pages, page_size, num_kv_heads, head_dim], split over
+One K and one V array of shape [num_pages, page_size, num_kv_heads, head_dim] per layer of a
+uniform stack; a stack that mixes sliding and full layers shares its arrays between its layer
+groups (core/kv_groups.py: layer i uses array `kv_groups.layer_array[i]`). Split over
 KV heads on the model axis (the runner duplicates KV heads up to a wider axis, model/kv_heads.py;
 replicated when the axis does not divide them). Quantized pools (`--kv-cache-dtype`, quant/kv.py)
 store 8-bit values and per layer a K and a V scale array [num_pages, num_kv_heads, page_size]
@@ -38,9 +40,9 @@ class LayerKV(NamedTuple):
 
 @struct.dataclass
 class KVPages:
-    k: list[jax.Array]  # per layer [num_pages, page_size, num_kv_heads, head_dim]
+    k: list[jax.Array]  # per pool array [num_pages, page_size, num_kv_heads, head_dim]
     v: list[jax.Array]
-    k_scales: list[jax.Array] | None = None  # per layer [num_pages, num_kv_heads, page_size] (quantized)
+    k_scales: list[jax.Array] | None = None  # per pool array [num_pages, num_kv_heads, page_size] (quantized)
     v_scales: list[jax.Array] | None = None
 
     @property
@@ -78,12 +80,13 @@ def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, place
     (8-bit: with scales). Allocation, the programs' lowering and the memory plans all read it."""
     page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(dtype),
                                 sharding=kv_sharding(cfg, placement))
-    layers = [page] * cfg.num_layers
+    arrays = cfg.kv_groups.num_arrays
+    layers = [page] * arrays
     if not is_quantized(dtype):
         return KVPages(k=layers, v=layers)
     scale = jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size), SCALE_DTYPE,
                                  sharding=_sharding(cfg, placement, SCALE_AXES))
-    return KVPages(k=layers, v=layers, k_scales=[scale] * cfg.num_layers, v_scales=[scale] * cfg.num_layers)
+    return KVPages(k=layers, v=layers, k_scales=[scale] * arrays, v_scales=[scale] * arrays)
 
 
 def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, placement: sharding.Placement) -> KVPages:

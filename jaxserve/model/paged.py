@@ -1,7 +1,8 @@
 """The ragged paged forward: one flat batch of new tokens attending over the donated KV pages.
 
-Each layer writes its new K/V into the pool at `slot_mapping` and then runs ragged paged attention
-over the sequences' page tables. Logits are computed only for `logits_index` rows.
+Each layer writes its new K/V into the pool at its slots and then runs ragged paged attention
+over the sequences' page tables (its layer group's: core/kv_groups.py). Logits are computed only
+for `logits_index` rows.
 A token row with `prev_sample_row >= 0` takes its id from `prev_ids` (the previous step's sampled
 ids, still on the device): async scheduling plans a decode before its token reaches the host.
 """
@@ -26,17 +27,48 @@ def resolve_token_ids(arrays: Any, prev_ids: jax.Array) -> jax.Array:
     return jnp.where(pending, prev_ids[jnp.where(pending, arrays.prev_sample_row, 0)], arrays.token_ids)
 
 
-def paged_attend(cfg: ModelConfig, arrays: Any, attention_fn: Callable[..., jax.Array]) -> Any:
-    """The `attend` of transformer.forward over the paged pool: writes the step's K/V at its slots,
-    then ragged paged attention over the sequences' page tables."""
-    def attend(i, q, k, v, layer_kv, sinks=None):
-        layer_kv = kv_cache.write(layer_kv, k, v, arrays.slot_mapping)
-        out = attention_fn(q, layer_kv.k, layer_kv.v, arrays.seq_lens, arrays.cu_q_lens, arrays.page_tables,
+def group_tables(cfg: ModelConfig, arrays: Any, page_size: int, pad_slot: int) -> list[tuple[jax.Array, jax.Array]]:
+    """Per KV layer group (core/kv_groups.py): (its page tables [S, M], its tokens' slots [T]).
+    The step's `page_tables` is [S, G * M], group g in columns [g M, (g + 1) M); group 0's slots
+    come from the host, the others' are found here from their tables (padding stays padding)."""
+    groups = cfg.kv_groups.num_groups
+    if groups == 1:
+        return [(arrays.page_tables, arrays.slot_mapping)]
+    width = arrays.page_tables.shape[1] // groups
+    pos = arrays.positions
+    out = []
+    for g in range(groups):
+        tables = arrays.page_tables[:, g * width:(g + 1) * width]
+        if g == 0:
+            slots = arrays.slot_mapping
+        else:
+            page = tables[arrays.token_seq, jnp.minimum(pos // page_size, width - 1)]
+            slots = jnp.where(arrays.slot_mapping == pad_slot, pad_slot, page * page_size + pos % page_size)
+        out.append((tables, slots))
+    return out
+
+
+def paged_attend(cfg: ModelConfig, arrays: Any, attention_fn: Callable[..., jax.Array],
+                 pool: list[kv_cache.LayerKV]) -> Any:
+    """The `attend` of transformer.forward over the paged pool: layer i writes the step's K/V into
+    its pool array (kv_groups.layer_array) at its group's slots, then runs ragged paged attention
+    over its group's page tables. `pool` (one LayerKV per pool array) is updated in place as the
+    layers are traced: layers of different groups share arrays."""
+    groups = cfg.kv_groups
+    ps = pool[0].k.shape[1]
+    tables = group_tables(cfg, arrays, ps, pool[0].k.shape[0] * ps)
+
+    def attend(i, q, k, v, _cache, sinks=None):
+        a = groups.layer_array[i]
+        page_tables, slot_mapping = tables[groups.layer_group[i]]
+        layer_kv = kv_cache.write(pool[a], k, v, slot_mapping)
+        pool[a] = layer_kv
+        out = attention_fn(q, layer_kv.k, layer_kv.v, arrays.seq_lens, arrays.cu_q_lens, page_tables,
                            arrays.num_seqs, sm_scale=cfg.scale, sliding_window=cfg.layer_windows[i],
                            soft_cap=cfg.attn_soft_cap,
                            **({} if sinks is None else {"sinks": sinks.astype(jnp.float32)}),  # [Hq]
                            k_scales=layer_kv.k_scales, v_scales=layer_kv.v_scales)
-        return out, layer_kv
+        return out, None
 
     return attend
 
@@ -51,12 +83,14 @@ def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arra
     with `aux_layers` the target hidden states an EAGLE-3 head reads ([T, 3 D]; transformer.forward)."""
     token_ids = resolve_token_ids(arrays, prev_ids)
     seq_len_per_token = arrays.seq_lens[arrays.token_seq]
-    attend = paged_attend(cfg, arrays, attention_fn)
+    pool = kv.layers()
+    attend = paged_attend(cfg, arrays, attention_fn, pool)
     lora_inputs = None
     if lora is not None:
         num_slots = next(iter(lora[0].values()))[1].shape[0]  # any module's b: [N, R, *out]
         one_hot = (arrays.lora_slot[:, None] == jnp.arange(num_slots)[None, :]).astype(jnp.float32)  # [T, N]
         lora_inputs = LoraInputs(lora, one_hot)
-    out = forward(weights, cfg, token_ids, arrays.positions, attend, kv.layers(), logits_index=arrays.logits_index,
-                  seq_lens_per_token=seq_len_per_token, lora=lora_inputs, aux_layers=aux_layers, moe_fn=moe_fn)
-    return (out[0], kv_cache.KVPages.from_layers(out[1]), *out[2:])
+    out = forward(weights, cfg, token_ids, arrays.positions, attend, [None] * cfg.num_layers,
+                  logits_index=arrays.logits_index, seq_lens_per_token=seq_len_per_token, lora=lora_inputs,
+                  aux_layers=aux_layers, moe_fn=moe_fn)
+    return (out[0], kv_cache.KVPages.from_layers(pool), *out[2:])

@@ -48,6 +48,8 @@ def calibrate(programs: list[Program], model: ModelConfig, engine: EngineConfig,
     depth = min(model.num_layers, compile_layers or model.num_layers)
     scale = model.num_layers / depth
     shallow = _with_layers(model, depth)
+    # a page holds one row of every pool array, not of every layer (layer groups share arrays)
+    page_scale = model.kv_groups.num_arrays / shallow.kv_groups.num_arrays
     jobs = [(p.name, functools.partial(program_memory, p, shallow, engine, placement, dtype, attention))
             for p in programs]
     if 1 < depth < model.num_layers:
@@ -64,7 +66,7 @@ def calibrate(programs: list[Program], model: ModelConfig, engine: EngineConfig,
     worst = max(costs, key=lambda c: c.temp_at(engine.num_kv_pages))
     notes = []
     if worst.temp_per_page > 0:
-        notes.append(f"{worst.name} copies the KV pool: its temporaries grow by {worst.temp_per_page * scale:.0f} "
+        notes.append(f"{worst.name} copies the KV pool: its temporaries grow by {worst.temp_per_page * page_scale:.0f} "
                      "bytes per page")
     colls = collectives_in(next(c.hlo for p, c in zip(programs, costs) if (p.tokens, p.rows) == decode_bucket))
     if depth < model.num_layers:
@@ -72,8 +74,8 @@ def calibrate(programs: list[Program], model: ModelConfig, engine: EngineConfig,
                      f"collectives are scaled to depth, temporaries taken as compiled (layers run in turn)")
         fewer = collectives_in(results[-1][3]) if depth > 1 else []
         colls = _extrapolate(colls, fewer, depth, model.num_layers)
-    return Calibration(costs, max(c.page_bytes for c in costs) * scale, worst.temp_fixed,
-                       worst.temp_per_page * scale, int(max(c.code_bytes for c in costs) * scale), colls, notes)
+    return Calibration(costs, max(c.page_bytes for c in costs) * page_scale, worst.temp_fixed,
+                       worst.temp_per_page * page_scale, int(max(c.code_bytes for c in costs) * scale), colls, notes)
 
 
 @dataclasses.dataclass(frozen=True)

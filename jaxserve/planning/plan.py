@@ -104,8 +104,10 @@ def weight_bytes_per_device(cfg: ModelConfig, dtype: Any, placement: sharding.Pl
 
 
 def _attention_flops(cfg: ModelConfig, q_tokens: int, context: int) -> float:
-    """QK^T and PV of q_tokens queries over `context` keys, all layers (per replica)."""
-    return 4.0 * q_tokens * context * cfg.head_dim * cfg.num_heads * cfg.num_layers
+    """QK^T and PV of q_tokens queries over `context` keys, all layers (a sliding one over its
+    window at most; per replica)."""
+    keys = sum(min(context, w or context) for w in cfg.layer_windows)
+    return 4.0 * q_tokens * keys * cfg.head_dim * cfg.num_heads
 
 
 def _machine(target: Target, mesh: jax.sharding.Mesh, weight_bytes: int) -> MachineInfo:
@@ -152,7 +154,7 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
         # programs still compile and the report says by how much it is short.
         notes.append(str(e))
         max_len = engine.max_model_len or capacity.model_context(model)
-        pages = -(-max_len // engine.page_size)
+        pages = model.kv_groups.pages_to_hold(max_len, engine.page_size, engine.max_num_batched_tokens or max_len)
         resolved = capacity.plan_capacity(
             dataclasses.replace(engine, num_kv_pages=pages, kv_cache_memory=None), model, machine,
             dtype.itemsize, model_axis_kv).engine
@@ -194,7 +196,7 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     max_pool = int(max_pages * page_bytes)
     max_tokens = max_pages * resolved.page_size
     steps = _step_estimates(model, chip, layout, resolved, dtype, weight_bytes, per_token, colls, decode_bucket[0],
-                            context or resolved.max_model_len, resolved.num_kv_pages * resolved.page_size, batch)
+                            context or resolved.max_model_len, resolved.num_kv_pages, batch)
     fits = total <= usable and (compiled_ok or not compile_programs)
     if not fits:
         advice = _advice(model, target, layout, resolved, dtype, weight_bytes, temp + code + lora_bytes, per_token,
@@ -211,10 +213,15 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
         kv_pool_bytes=pool_bytes,
         temp_bytes=temp, code_bytes=code, total_bytes=total, fits=fits, headroom_bytes=usable - total,
         max_kv_pool_bytes=max_pool, max_kv_tokens=int(max_tokens),
-        max_seqs_at_max_len=int(max_tokens // resolved.max_model_len),
+        max_seqs_at_max_len=int(_held(model, resolved, max_pages, resolved.max_model_len)),
         programs_compiled=len(to_compile) if compile_programs else 0, compile_seconds=compile_s,
         program_temps=program_temps,
         collectives=colls, steps=steps, notes=notes, advice=advice)
+
+
+def _held(model: ModelConfig, engine: EngineConfig, num_pages: int, tokens: int) -> float:
+    """Sequences of `tokens` tokens that `num_pages` hold at once (kv_groups.sequences_held)."""
+    return model.kv_groups.sequences_held(num_pages, tokens, engine.page_size, engine.max_num_batched_tokens)
 
 
 def _progress_callbacks(progress: CompileProgress | None, layout: str, model_layers: int) -> dict[str, Any]:
@@ -229,7 +236,7 @@ def _progress_callbacks(progress: CompileProgress | None, layout: str, model_lay
 
 def _step_estimates(cfg: ModelConfig, chip: Any, layout: Layout, engine: EngineConfig, dtype: Any,
                     weight_bytes: int, kv_per_token: int, colls: list[Collective], colls_tokens: int,
-                    context: int, pool_tokens: int, batch: int | None = None) -> list[StepEstimate]:
+                    context: int, num_pages: int, batch: int | None = None) -> list[StepEstimate]:
     """Roofline per device of one replica. Decode (at the batches whose sequences' `context` tokens
     the pool holds): every weight byte is read once per step, plus each sequence's KV; prefill:
     one full bucket of prompt tokens attending to themselves. `colls` were read off the program of
@@ -248,16 +255,20 @@ def _step_estimates(cfg: ModelConfig, chip: Any, layout: Layout, engine: EngineC
                             sum(c.count for c in scaled), seconds, bound, n / seconds)
 
     out = []
-    fit = min(engine.max_num_seqs, max(1, pool_tokens // context))  # sequences of `context` the pool holds
+    fit = min(engine.max_num_seqs, max(1, int(_held(cfg, engine, num_pages, context))))  # sequences of `context` held
+    layer_bytes = kv_per_token / cfg.kv_groups.num_arrays  # one layer's K/V of one token (pool arrays are shared)
+    # a sequence's K/V read per decode step: each layer's context, a sliding layer's window at most
+    kv_read = layer_bytes * sum(min(context + 1, w or context + 1) for w in cfg.layer_windows)
     for b in sorted({b for b in (*DECODE_BATCHES, engine.max_num_seqs, batch or 1) if b <= fit} | {fit}):
         t, s = choose_bucket(buckets, b, b)
         flops = (t * flops_per_token(cfg) + _attention_flops(cfg, b, context) + s * flops_per_sampled_row(cfg)) / tp
-        out.append(estimate(f"decode b={b}", b, t, s, flops, weight_bytes + b * (context + 1) * kv_per_token))
+        out.append(estimate(f"decode b={b}", b, t, s, flops, weight_bytes + b * kv_read))
     n = engine.max_num_batched_tokens
     t, s = choose_bucket(buckets, n, 1)
     flops = (t * flops_per_token(cfg) + _attention_flops(cfg, n, n) / 2 + s * flops_per_sampled_row(cfg)) / tp
     activations = 2 * n * cfg.hidden_size * dtype.itemsize * cfg.num_layers
-    out.append(estimate(f"prefill T={n}", n, t, s, flops, weight_bytes + n * kv_per_token + activations))
+    out.append(estimate(f"prefill T={n}", n, t, s, flops, weight_bytes + n * layer_bytes * cfg.num_layers
+                        + activations))
     return out
 
 

@@ -57,12 +57,15 @@ class BatchRows:
     needed; slots and columns are reused."""
 
 
-    def __init__(self, max_pages_per_seq: int, page_size: int, vocab_size: int, rows: int = 64) -> None:
+    def __init__(self, max_pages_per_seq: int, page_size: int, vocab_size: int, rows: int = 64,
+                 num_groups: int = 1) -> None:
+        """num_groups: KV layer groups (core/kv_groups.py), each max_pages_per_seq columns of a row."""
         self.page_size = page_size
+        self.group_width = max_pages_per_seq
         self.vocab_size = vocab_size
         self.slot_of: dict[Sequence, int] = {}
         self._free: list[int] = []
-        self.pages = np.zeros((0, max_pages_per_seq), np.int32)   # [rows, max_pages_per_seq]
+        self.pages = np.zeros((0, num_groups * max_pages_per_seq), np.int32)  # [rows, G * max_pages_per_seq]
         self.params = {k: np.zeros(0, dt) for k, (dt, _) in PARAMS.items()}
         self.seed_words = np.zeros((0, 2), np.uint32)             # [rows, 2]
         self.penalty: list[_Penalty | None] = []
@@ -87,21 +90,29 @@ class BatchRows:
                 self.penalized[slot] = False
                 self._free.append(slot)
 
-    def slot(self, seq: Sequence, page_table: Seq[int], start: int) -> int:
+    def slot(self, seq: Sequence, page_table: Seq[int], start: int, group_tables: Seq[Seq[int]] = ()) -> int:
         """seq's row, created on first sight; its page entries from the page of `start` (the
-        chunk's first position) on are rewritten from `page_table` (the allocator's live list)."""
+        chunk's first position) on are rewritten from `page_table` (the allocator's live list), or
+        with several KV layer groups from each group's table into its columns (group_tables)."""
         slot = self.slot_of.get(seq)
         if slot is None:
             slot = self._admit(seq)
             first = 0
         else:
             first = start // self.page_size
-        n = len(page_table)
-        if n - first == 1:
-            self.pages[slot, first] = page_table[first]
-        elif n > first:
-            self.pages[slot, first:n] = page_table[first:n]
+        if not group_tables:
+            self._write_pages(self.pages[slot], page_table, first)
+        for g, table in enumerate(group_tables):
+            self._write_pages(self.pages[slot, g * self.group_width:], table, first)
         return slot
+
+    @staticmethod
+    def _write_pages(row: np.ndarray, table: Seq[int], first: int) -> None:
+        n = len(table)
+        if n - first == 1:  # the usual decode: one entry (or none)
+            row[first] = table[first]
+        elif n > first:
+            row[first:n] = table[first:n]
 
     def _admit(self, seq: Sequence) -> int:
         if not self._free:

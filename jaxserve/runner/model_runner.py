@@ -120,7 +120,8 @@ class ModelRunner:
             logger.info("KV host tier: %d pages x %d tokens = %d tokens in %.2f GiB of host memory (%s)",
                         self.num_host_pages, engine_cfg.page_size, self.num_host_pages * engine_cfg.page_size,
                         engine_cfg.kv_offload_gib, self.host_tier.memory)
-        self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size, eagle=eagle is not None)
+        self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size, eagle=eagle is not None,
+                                        num_groups=model_cfg.kv_groups.num_groups)
         self._attention = make_attention(engine_cfg.attention_backend, model_cfg, placement)
         self._moe = make_moe(model_cfg, placement)  # None unless the layout splits whole experts
         self._rows_width = rows_width(engine_cfg)
@@ -354,9 +355,9 @@ class ModelRunner:
 
     def _pad_copies(self, copies: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) padded to max_num_seqs entries; padding targets an out-of-bounds page."""
-        width = copy_width(self.engine_cfg)
+        width = copy_width(self.engine_cfg, self.model_cfg)
         if len(copies) > width:
-            raise ValueError(f"{len(copies)} page copies in one step exceed max_num_seqs={width}")
+            raise ValueError(f"{len(copies)} page copies in one step exceed {width} (one per sequence and layer group)")
         src = np.zeros(width, np.int32)
         dst = np.full(width, self.num_pages, np.int32)
         src[: len(copies)], dst[: len(copies)] = copies[:, 0], copies[:, 1]

@@ -89,9 +89,14 @@ def dummy_sampling(s: int, h: int) -> SamplingTensors:
                          table_seen=np.zeros((s, h), bool), table_bias=np.zeros((s, h), np.float32))
 
 
-def copy_width(engine_cfg: EngineConfig) -> int:
-    """Page copies one step may carry (one per sequence)."""
-    return engine_cfg.max_num_seqs
+def table_width(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    """Columns of a forward step's page_tables: every KV layer group's table side by side."""
+    return engine_cfg.max_pages_per_seq * model_cfg.kv_groups.num_groups
+
+
+def copy_width(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    """Page copies one step may carry (one per sequence and KV layer group)."""
+    return engine_cfg.max_num_seqs * model_cfg.kv_groups.num_groups
 
 
 def abstract_weights(model_cfg: ModelConfig, dtype: Any, placement: sharding.Placement) -> Weights:
@@ -147,7 +152,7 @@ def _lower(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, p
     kv = kv_cache.abstract(model_cfg, num_pages, page_size, kv_dtype(engine_cfg, dtype), placement)
     prev_ids = jax.ShapeDtypeStruct((rows_width(engine_cfg),), jnp.int32, sharding=replicated)
     if program.kind == "forward":
-        packed, spec = host(dummy_arrays(program, engine_cfg.max_pages_per_seq, num_pages * page_size,
+        packed, spec = host(dummy_arrays(program, table_width(engine_cfg, model_cfg), num_pages * page_size,
                                          engine_cfg.enable_lora))
         return forward_step.lower(abstract_weights(model_cfg, dtype, placement), kv=kv, packed=packed, spec=spec,
                                   cfg=model_cfg, attention_fn=attention_fn, prev_ids=prev_ids,
@@ -162,5 +167,5 @@ def _lower(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, p
                                        sharding=replicated)
         return sample_step.lower(logits, packed, bitmask, prev_ids, spec=spec, vocab_size=model_cfg.vocab_size,
                                  width=rows_width(engine_cfg))
-    index = jax.ShapeDtypeStruct((copy_width(engine_cfg),), jnp.int32, sharding=replicated)
+    index = jax.ShapeDtypeStruct((copy_width(engine_cfg, model_cfg),), jnp.int32, sharding=replicated)
     return copy_step.lower(kv, index, index)

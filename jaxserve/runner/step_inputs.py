@@ -38,7 +38,7 @@ class StepArrays(NamedTuple):
     slot_mapping: np.ndarray   # [T] int32  page * page_size + offset; padding -> num_pages * page_size
     cu_q_lens: np.ndarray      # [S + 1] int32
     seq_lens: np.ndarray       # [S] int32  tokens in the cache after this step
-    page_tables: np.ndarray    # [S, max_pages_per_seq] int32
+    page_tables: np.ndarray    # [S, G * max_pages_per_seq] int32: each KV layer group's table side by side
     num_seqs: np.ndarray       # [1] int32
     logits_index: np.ndarray   # [L] int32  token rows that sample (padding -> 0)
     prev_sample_row: np.ndarray  # [T] int32  -1: token_ids holds the id; r >= 0: the id sampled at
@@ -62,15 +62,18 @@ class StepInputs(NamedTuple):
 
 
 class StepInputBuilder:
-    def __init__(self, cfg: EngineConfig, num_pages: int, vocab_size: int, eagle: bool = False) -> None:
-        """eagle: also build each step's EagleShift (an EAGLE-3 head proposes)."""
+    def __init__(self, cfg: EngineConfig, num_pages: int, vocab_size: int, eagle: bool = False,
+                 num_groups: int = 1) -> None:
+        """eagle: also build each step's EagleShift (an EAGLE-3 head proposes); num_groups: the
+        model's KV layer groups (core/kv_groups.py), whose tables sit side by side in page_tables."""
         self.cfg = cfg
         self.eagle = eagle
         self.num_pages = num_pages
         self.vocab_size = vocab_size
         self.buckets = declared_buckets(cfg)
         self.pad_slot = num_pages * cfg.page_size
-        self.rows = BatchRows(cfg.max_pages_per_seq, cfg.page_size, vocab_size)
+        self.num_groups = num_groups
+        self.rows = BatchRows(cfg.max_pages_per_seq, cfg.page_size, vocab_size, num_groups=num_groups)
 
     def build(self, plan: StepPlan, prev_plan: StepPlan | None = None) -> StepInputs:
         """Every request arrives seeded (the engine draws a seed when the user gave none); sample i
@@ -96,7 +99,7 @@ class StepInputBuilder:
         for c in chunks:
             ids, start = c.token_ids, c.start_pos
             n = len(ids)
-            slot = rows.slot(owners[c.seq_id], c.page_table, start)
+            slot = rows.slot(owners[c.seq_id], c.page_table, start, c.group_page_tables)
             slot_of.append(slot)
             lens.append(n)
             starts.append(start)
@@ -123,10 +126,10 @@ class StepInputBuilder:
         pos = start_arr[seq_of_token] + np.arange(t) - cu[seq_of_token]
         positions = np.zeros(t_bucket, np.int32)
         positions[:t] = pos
-        page_tables = np.zeros((s_bucket, self.cfg.max_pages_per_seq), np.int32)
+        page_tables = np.zeros((s_bucket, self.num_groups * self.cfg.max_pages_per_seq), np.int32)
         page_tables[:nc] = rows.pages[np.array(slot_of, np.int64)]
         slots = np.full(t_bucket, self.pad_slot, np.int32)
-        slots[:t] = page_tables[seq_of_token, pos // ps] * ps + pos % ps
+        slots[:t] = page_tables[seq_of_token, pos // ps] * ps + pos % ps  # the first group's (model/paged.py)
         seq_lens = np.zeros(s_bucket, np.int32)
         seq_lens[:nc] = start_arr + len_arr
         lora_slot = None

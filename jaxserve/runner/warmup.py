@@ -19,7 +19,7 @@ import numpy as np
 from jaxserve.core.buckets import serving_programs
 from jaxserve.runner.background_compile import BucketCompiler, first_programs
 from jaxserve.runner.host_tier import warm_page_moves
-from jaxserve.runner.programs import dummy_arrays, dummy_sampling
+from jaxserve.runner.programs import dummy_arrays, dummy_sampling, table_width
 from jaxserve.runner.shape_compile import ShapeCompiler
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def warm_up(runner: "ModelRunner", progress: Callable[[int, int, str], None] | N
     now = first_programs(programs) if background else programs
     runner.programs_declared = len(programs)
     cfg = runner.engine_cfg
-    max_pages, pad_slot, lora = cfg.max_pages_per_seq, runner.num_pages * cfg.page_size, cfg.enable_lora
+    max_pages, pad_slot, lora = table_width(cfg, runner.model_cfg), runner.num_pages * cfg.page_size, cfg.enable_lora
     # Steps feed the sample program's padded ids to the next forward: prime that buffer with a real
     # one, so the forwards below compile for the sharding steps will give them.
     first = now[0]

@@ -118,11 +118,15 @@ def test_configs_carry_the_layer_kinds(family):
 
 
 def test_engine_greedy_with_preemption_and_a_prefix_hit_equals_generate(family):
-    """20 pages of 4 tokens cannot hold the three sequences at once (26 pages at the end): the
-    engine preempts and recomputes; the long prompt sent again then reuses its cached pages."""
+    """The three sequences do not fit at once: 20 pages of 4 tokens for the full-attention group
+    (26 pages at the end), and 11 per sliding group (what a sequence of 64 tokens may hold: its
+    window of 8 and a chunk of 32); Phi-3, sliding on every layer, gets those 11 alone. The engine
+    preempts and recomputes; the long prompt sent again then reuses its cached pages."""
     _, path, model = family
     cfg, weights = load_model(path, make_mesh(1, 1))
-    core = make_core(cfg, weights, num_kv_pages=20, max_model_len=64)
+    groups = cfg.kv_groups
+    pages = 20 * (None in groups.windows) + 11 * sum(w is not None for w in groups.windows)
+    core = make_core(cfg, weights, num_kv_pages=pages, max_model_len=64)
     got = run_all(core, [Request(f"r{i}", p, greedy(12)) for i, p in enumerate(PROMPTS)])
     expected = [_hf_generate(model, [p], 12)[0] for p in PROMPTS]
     assert [got[f"r{i}"][0] for i in range(len(PROMPTS))] == expected

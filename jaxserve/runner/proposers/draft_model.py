@@ -19,6 +19,8 @@ draft's K/V always mirrors the target's verified tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Sequence
 
 import jax
@@ -95,7 +97,8 @@ def proposal_arrays(buckets: Sequence[tuple[int, int]], page_size: int, pad_slot
 class DraftRunner:
     def __init__(self, cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, placement: sharding.Placement,
                  dtype: Any, put: Any, programs: ProgramTable) -> None:
-        self.cfg = cfg
+        # its steps read the target's first layer group's page tables: one group of its own
+        self.cfg = cfg = dataclasses.replace(cfg, single_kv_group=True)
         self.weights = weights
         self.engine_cfg = engine_cfg
         self.kv = kv_cache.allocate(cfg, engine_cfg.num_kv_pages, engine_cfg.page_size,

@@ -63,12 +63,13 @@ def _eagle_packed(weights: eagle3.Eagle3Weights, target_embed: jax.Array, kv: kv
     arrays, hidden_row = unpack(packed, spec)
     h = hidden if combine else jnp.take(hidden, hidden_row, axis=0)
     embed = weights.embed if weights.embed is not None else target_embed
-    out, layer = eagle3.forward(weights, cfg, embed, resolve_token_ids(arrays, prev_ids), arrays.positions, h,
-                                paged_attend(cfg.layer, arrays, attention_fn), kv.layers()[0], arrays.logits_index,
-                                combine=combine)
+    pool = kv.layers()
+    out, _ = eagle3.forward(weights, cfg, embed, resolve_token_ids(arrays, prev_ids), arrays.positions, h,
+                            paged_attend(cfg.layer, arrays, attention_fn, pool), None, arrays.logits_index,
+                            combine=combine)
     pad = width - out.shape[0]
     ids = None if combine else jnp.pad(eagle3.draft_ids(weights, cfg, out), (0, pad))
-    return ids, jnp.pad(out, ((0, pad), (0, 0))), kv_cache.KVPages.from_layers([layer])
+    return ids, jnp.pad(out, ((0, pad), (0, 0))), kv_cache.KVPages.from_layers(pool)
 
 
 _eagle_step = jax.jit(_eagle_packed, static_argnames=("spec", "cfg", "attention_fn", "combine", "width"),
