@@ -165,17 +165,16 @@ def test_shipped_pages_carry_every_groups_window():
 def test_a_proposer_reading_the_first_groups_tables_keeps_its_pages():
     """A draft model or an EAGLE-3 head attends over the target's first group's pages with full
     attention: that group keeps every page when it slides (Phi-3, Mistral with a window)."""
-    from jaxserve.core.config import EngineConfig, ModelConfig
-    from jaxserve.core.layer_kinds import LayerKind
-    from jaxserve.engine.engine_core import kept_windows
+    from jaxserve.core.config import EngineConfig
+    from jaxserve.core.kv_groups import kept_windows
 
-    def cfg(windows):
-        return ModelConfig("LlamaForCausalLM", "llama", 96, 32, 64, len(windows), 4, 2, 8, 1e-6, 128, False,
-                           False, False, False, "", tuple(LayerKind(window=w) for w in windows))
     eagle = EngineConfig(speculative_config={"method": "eagle3", "model": "/nowhere", "num_speculative_tokens": 2})
     ngram = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert kept_windows(cfg((8, 8)), eagle) == (None,) and kept_windows(cfg((8, 8)), ngram) == (8,)
-    assert kept_windows(cfg((8, None)), eagle) == (None, 8) == kept_windows(cfg((8, None)), EngineConfig())
+    for windows in [(8, 8), (8, None)]:
+        groups = kv_groups(windows).windows
+        assert kept_windows(groups, ngram.speculative_config) == kept_windows(groups) == groups
+    assert kept_windows((8,), eagle.speculative_config) == (None,)
+    assert kept_windows((None, 8), eagle.speculative_config) == (None, 8)
 
 
 @pytest.mark.parametrize("name, ratio", [("gemma-3-27b", 3.2), ("gpt-oss-20b", 1.9), ("gemma-2-27b", 1.25)])

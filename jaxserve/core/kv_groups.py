@@ -19,6 +19,7 @@ reads it too.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,3 +105,13 @@ def sequences_held(windows: tuple[int | None, ...], num_pages: int, num_tokens: 
     sliding group (the chunk's pages are held until the window moves past them)."""
     reserve = sum(w is not None for w in windows) * -(-chunk_tokens // page_size)
     return max(0, num_pages - reserve) / pages_to_hold(windows, num_tokens, page_size, 1)
+
+
+def kept_windows(windows: tuple[int | None, ...], speculative_config: Any = None) -> tuple[int | None, ...]:
+    """The windows the allocator releases pages behind, per group: the model's, except that a
+    proposer running its own layers over the target's first group's tables (a draft model, an
+    EAGLE-3 head: full attention) needs that group to keep every page."""
+    method = getattr(speculative_config, "method", None)
+    if method in ("draft_model", "eagle3") and windows[0] is not None:
+        return (None, *windows[1:])
+    return windows

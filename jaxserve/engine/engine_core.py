@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 
 from jaxserve.core.buckets import choose_bucket
 from jaxserve.core.config import EngineConfig, ModelConfig
+from jaxserve.core.kv_groups import kept_windows
 from jaxserve.core.request import Request, TokenEvent
 from jaxserve.core.step_plan import StepPlan, sampled_tokens
 from jaxserve.engine.page_allocator import PageAllocator
@@ -80,7 +81,7 @@ class EngineCore:
         self.engine_cfg = engine_cfg = self.runner.engine_cfg  # every size resolved
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
                                        engine_cfg.enable_prefix_caching, self.runner.num_host_pages,
-                                       windows=kept_windows(model_cfg, engine_cfg))
+                                       windows=kept_windows(model_cfg.kv_groups.windows, engine_cfg.speculative_config))
         self.scheduler = Scheduler(engine_cfg, self.allocator)
         self.scheduler.swap_costs = self.runner.swap_costs
         if self.runner.lora is not None:
@@ -391,14 +392,3 @@ class EngineCore:
         if since.num_drafts:
             logger.info("%s", since.summary())
         self._spec_logged = (time.monotonic(), stats.copy())
-
-
-def kept_windows(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> tuple[int | None, ...]:
-    """The windows the allocator releases pages behind, per KV layer group: the model's, except
-    that a proposer running its own layers over the target's first group's tables (a draft model,
-    an EAGLE-3 head: full attention) needs that group to keep every page."""
-    windows = model_cfg.kv_groups.windows
-    spec = engine_cfg.speculative_config
-    if spec is not None and spec.method in ("draft_model", "eagle3") and windows[0] is not None:
-        return (None, *windows[1:])
-    return windows

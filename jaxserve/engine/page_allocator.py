@@ -175,7 +175,7 @@ class PageAllocator(PrefixMatch, ShippedPages):
         if len(cached) != self.num_groups:
             raise ValueError(f"{len(cached)} groups of cached pages for {self.num_groups} layer groups")
         n = len(cached[0])
-        tables, los = [], []
+        tables, los, from_host = [], [], set()  # from_host: page indices some group promotes
         for pages in cached:  # device hits first: a promotion's fresh page must not evict one of them
             for page in pages:
                 if page is not None and page >= 0:
@@ -190,9 +190,10 @@ class PageAllocator(PrefixMatch, ShippedPages):
                     self.host.promoted(host, table[i])
                     self._cached[key] = table[i]
                     self._page_key[table[i]] = key
-                    self.host_hit_tokens += self.page_size
+                    from_host.add(i)
             tables.append(table)
             los.append(lo)
+        self.host_hit_tokens += len(from_host) * self.page_size
         self._tables[seq_id] = tables
         self._lo[seq_id] = los
         self._seq_keys[seq_id] = list(keys[:n])

@@ -47,3 +47,46 @@ def test_same_pool_bytes_hold_more_sequences_and_tokens_equal_generate(tmp_path)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert mean(running) > 1.5 * mean(running_whole) and len(running) < 0.7 * len(running_whole)
     assert grouped.runner.compilations_after_warmup == 0
+
+
+def test_pages_shipped_between_engines_carry_every_groups_window(tmp_path):
+    """PD on a stack of layer groups: a prefill engine exports a long prompt's cached pages (the
+    full group's from the first page, each sliding group's from its window), a decode engine imports
+    them and computes only the prompt's tail; its greedy tokens are transformers'."""
+    path, model = make_hf_model("gpt_oss", tmp_path / "gpt_oss")  # sinks, window 8, experts: 3 groups
+    cfg, weights = load_model(path, make_mesh(1, 1))
+    prompt = list(range(3, 45))  # 42 tokens: 10 full pages
+    prefill, decode = (make_core(cfg, weights, max_model_len=64) for _ in range(2))
+    run_all(prefill, [Request("p", prompt, greedy(1))])
+
+    def done(core, fut):
+        while not fut.done():
+            core.step()
+        return fut.result()
+    leaves = done(prefill, prefill.export_prefix(prompt))
+    rows = leaves[0].shape[0]
+    assert rows == prefill.allocator.export_rows(10) == 10 + 2 * 2  # each sliding group: pages 8 and 9
+    assert done(decode, decode.import_prefix(prompt, None, rows, leaves)) == rows
+    got = run_all(decode, [Request("d", prompt, greedy(12))])
+    assert decode.num_prefill_tokens == len(prompt) - 40
+    assert got["d"][0] == _hf_generate(model, [prompt], 12)[0]
+
+
+def test_window_pages_pushed_to_the_host_tier_come_back(tmp_path):
+    """A long prompt's cached pages, every group's, pushed out of a 40-page pool by four others,
+    come back from the host tier when it is sent again: its 40 cached tokens are a hit (the full
+    group's 10 pages and each sliding group's last 2) and the tokens are transformers'."""
+    path, model = make_hf_model("gemma3", tmp_path / "gemma3")
+    cfg, weights = load_model(path, make_mesh(1, 1))
+    first = [(i * 7) % 90 + 3 for i in range(41)]
+    others = [[(i * 13 + k * 5) % 90 + 3 for i in range(41)] for k in range(4)]
+    core = make_core(cfg, weights, num_kv_pages=40, max_model_len=64, kv_offload_gib=0.001)
+    for i, prompt in enumerate([first, *others]):
+        run_all(core, [Request(f"r{i}", prompt, greedy(6))])
+    before = core.num_prefill_tokens
+    got = run_all(core, [Request("again", first, greedy(6))])
+    stats = core.stats()
+    assert core.num_prefill_tokens - before == 1 and stats.host_hit_tokens == 40
+    assert stats.num_promotions == 10 + 2 * 2
+    assert got["again"][0] == _hf_generate(model, [first], 6)[0]
+    core.allocator.check_invariants()
