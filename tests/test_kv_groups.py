@@ -194,3 +194,16 @@ def test_the_same_bytes_hold_more_sequences_of_real_stacks(name, ratio):
         pages = 64 * 2 ** 30 // (kv_bytes_per_token(c, 2) * 16)
         held.append(c.kv_groups.sequences_held(pages, 8192, 16, 8192))
     assert held[0] > ratio * held[1]
+
+
+def test_a_tpu_serves_one_group_until_its_pool_copy_is_fixed():
+    """XLA:TPU copied the whole pool in gpt-oss-20b's prefill step with two layers writing one
+    pool array (docs/BENCHMARKS.md): the engine and the planner keep one group there."""
+    from pathlib import Path
+
+    from jaxserve.core.config import ModelConfig
+    from jaxserve.core.kv_groups import kv_layout_for
+
+    cfg = ModelConfig.from_hf(Path(__file__).parents[1] / "scripts" / "model_configs" / "gpt-oss-20b.json")
+    assert kv_layout_for(cfg, "tpu").kv_groups.num_groups == 1
+    assert kv_layout_for(cfg, "gpu") is cfg and kv_layout_for(cfg, "cpu").kv_groups.num_groups == 2

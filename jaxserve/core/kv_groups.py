@@ -115,3 +115,13 @@ def kept_windows(windows: tuple[int | None, ...], speculative_config: Any = None
     if method in ("draft_model", "eagle3") and windows[0] is not None:
         return (None, *windows[1:])
     return windows
+
+
+def kv_layout_for(model_cfg: Any, platform: str) -> Any:
+    """The model config a platform serves with: on a TPU every layer still keeps every page (one
+    group), because XLA:TPU was seen to copy the whole pool in a prefill step when two layers write
+    one pool array (gpt-oss-20b on a v6e-4: 17 GiB of temporaries); until that is fixed the
+    grouped pool runs on CPU and GPU only."""
+    if platform == "tpu" and model_cfg.kv_groups.num_groups > 1:
+        return dataclasses.replace(model_cfg, single_kv_group=True)
+    return model_cfg

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxserve.core import capacity
 from jaxserve.core.buckets import choose_bucket, declared_buckets
+from jaxserve.core.kv_groups import kv_layout_for
 from jaxserve.core.capacity import MachineInfo, flops_per_sampled_row, flops_per_token, kv_bytes_per_token
 from jaxserve.core.config import EngineConfig, ModelConfig
 from jaxserve.model.attention import make_attention
@@ -133,6 +134,7 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     notes = check_divides(layout, model)
     rules = layout.rules
     model = duplicated_config(model, kv_duplication(model, layout.tp, rules))  # as the runner does
+    model = kv_layout_for(model, target.chip.platform)  # as the engine does
     devices = target.devices()[: layout.tp]
     mesh = sharding.make_mesh(1, layout.tp, devices)
     placement = sharding.Placement(mesh, rules)
