@@ -76,4 +76,7 @@ def test_auto_round_packed_checkpoint_reads_as_auto_round_reads_it(base, fmt, sy
     for prefix, w in ours.items():
         # auto-round's GPTQ reader computes (q - zero) * scale in float16: one half-ulp of the product
         np.testing.assert_allclose(w, reference[prefix], rtol=1e-3, atol=1e-3 * np.abs(w).max(), err_msg=prefix)
-    logits_agree(hf_model, reference, cfg, weights)
+    # The forward is judged on the weights we read (just shown equal to auto-round's up to that half-ulp):
+    # transformers on auto-round's float16 products differs from ours by ~4e-4 of the logits' range on
+    # some CPUs (AMD EPYC), more than logits_agree's 1e-4.
+    logits_agree(hf_model, ours, cfg, weights)
