@@ -196,14 +196,18 @@ def test_the_same_bytes_hold_more_sequences_of_real_stacks(name, ratio):
     assert held[0] > ratio * held[1]
 
 
-def test_a_tpu_serves_one_group_until_its_pool_copy_is_fixed():
-    """XLA:TPU copied the whole pool in gpt-oss-20b's prefill step with two layers writing one
-    pool array (docs/BENCHMARKS.md): the engine and the planner keep one group there."""
+def test_a_tpu_pool_stores_whole_lanes_and_capacity_counts_them():
+    """gpt-oss's 64-wide heads take 128 lanes in a TPU pool (tests/model/test_family_targets.py shows
+    why), so a TPU page holds half a CPU or GPU page's tokens; 128- and 256-wide heads are unchanged."""
     from pathlib import Path
 
+    from jaxserve.core.capacity import kv_bytes_per_token
     from jaxserve.core.config import ModelConfig
-    from jaxserve.core.kv_groups import kv_layout_for
+    from jaxserve.core.kv_groups import pool_head_dim
 
+    assert [pool_head_dim(d, "tpu") for d in (64, 80, 128, 192, 256)] == [128, 128, 128, 256, 256]
+    assert [pool_head_dim(d, p) for d in (64, 80) for p in ("cpu", "gpu")] == [64, 64, 80, 80]
     cfg = ModelConfig.from_hf(Path(__file__).parents[1] / "scripts" / "model_configs" / "gpt-oss-20b.json")
-    assert kv_layout_for(cfg, "tpu").kv_groups.num_groups == 1
-    assert kv_layout_for(cfg, "gpu") is cfg and kv_layout_for(cfg, "cpu").kv_groups.num_groups == 2
+    gpu = kv_bytes_per_token(cfg, 2, 1, "auto", "gpu")
+    assert gpu == 2 * 12 * 8 * 64 * 2  # K and V of 12 pool arrays (2 groups of 12 layers), 8 heads of 64, bf16
+    assert kv_bytes_per_token(cfg, 2, 1, "auto", "tpu") == 2 * gpu

@@ -119,3 +119,18 @@ def test_kv_pages_are_donated_and_never_copied(qwen3):
     assert large.alias_size_in_bytes >= large_pool
     assert small.alias_size_in_bytes >= small_pool
     assert large.temp_size_in_bytes == small.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("variant", ["qwen3-qknorm", "mistral-window"])
+def test_a_pool_padded_to_whole_lanes_serves_the_same_tokens(variant, monkeypatch, tmp_path):
+    """A TPU pool stores narrow heads zero-padded to 128 lanes (kv_groups.pool_head_dim): the same
+    padding on the CPU gives the unpadded path's greedy tokens through chunked prefill and decode, so
+    the padded lanes change nothing (kv_cache.write pads K/V, paged_attend pads q and drops the
+    output's extra lanes)."""
+    monkeypatch.setattr(kv_cache, "pool_head_dim", lambda head_dim, platform: 128)
+    cfg, weights, _ = tiny_model(tmp_path, variant, seed=5)
+    core = make_core(cfg, weights, max_num_batched_tokens=8, token_buckets=(8,), seq_buckets=(4, 8),
+                     max_num_seqs=4, max_model_len=64)
+    assert cfg.head_dim < 128 and core.runner.kv.k[0].shape[-1] == 128
+    out = run_all(core, [Request(f"r{i}", p, greedy(12)) for i, p in enumerate(PROMPTS)])
+    assert [out[f"r{i}"][0] for i in range(len(PROMPTS))] == greedy_generate(weights, cfg, PROMPTS, 12)

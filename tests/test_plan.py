@@ -321,3 +321,40 @@ def test_plan_command_without_the_cuda_plugin_names_the_extra(tmp_path, capsys, 
     assert cli.main(["plan", str(config), "--target", "gpu-h100:1x1x1"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'jaxserve[gpu]'" in err and "Traceback" not in err
+
+
+def test_a_copy_of_the_pool_is_measured_and_placement_noise_is_not(monkeypatch):
+    """program_memory's slope: a 64-wide pool on a TPU (what kv_groups.pool_head_dim avoids) is copied
+    every step, at least one K array's page of temporaries per page; the 128-lane pool serving uses
+    is not, and its two compiles' small differences do not read as a copy."""
+    from jaxserve.model import kv_cache
+    from jaxserve.model.attention import make_attention
+    from jaxserve.parallel.sharding import Placement
+    from jaxserve.planning.compiled_memory import program_memory
+
+    cfg = _config(num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    engine = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024)
+    placement = Placement(make_mesh(1, 1, parse_target("tpu-v6e:1x1").devices()), make_layout("tp", 1).rules)
+    measure = lambda: program_memory(Program("forward", tokens=64, rows=8), cfg, engine, placement,  # noqa: E731
+                                     "bfloat16", make_attention("auto", cfg, placement))
+    padded = measure()
+    assert padded.page_bytes == 2 * cfg.num_layers * engine.page_size * 4 * 128 * 2 and padded.temp_per_page == 0
+    monkeypatch.setattr(kv_cache, "pool_head_dim", lambda head_dim, platform: head_dim)
+    narrow = measure()
+    assert narrow.temp_per_page >= narrow.page_bytes / (2 * cfg.num_layers)
+
+
+def test_a_shallow_compile_of_a_mixed_stack_keeps_its_layer_kinds():
+    """Gemma 3 27B opens with five sliding layers: a 2-layer compile takes a sliding and a full one, so
+    the planner compiles two KV layer groups writing one pool array, as serving runs them; GLM-4.5
+    keeps its dense first layer beside a sparse one."""
+    from pathlib import Path
+
+    from jaxserve.planning.compiled_memory import _with_layers
+
+    configs = Path(__file__).parents[1] / "scripts" / "model_configs"
+    gemma = _with_layers(ModelConfig.from_hf(configs / "gemma-3-27b.json"), 2)
+    assert gemma.layer_windows == (1024, None) and gemma.kv_groups.num_groups == 2
+    assert gemma.kv_groups.num_arrays == 1
+    glm = _with_layers(ModelConfig.from_hf(configs / "glm-4.5-air.json"), 2)
+    assert glm.moe.layers == (False, True)

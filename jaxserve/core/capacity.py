@@ -39,6 +39,7 @@ from typing import Callable
 
 from jaxserve.core.buckets import declared_buckets, serving_programs
 from jaxserve.core.config import EngineConfig, ModelConfig
+from jaxserve.core.kv_groups import pool_head_dim
 from jaxserve.quant import kv as kv_quant
 
 GIB = 1024 ** 3
@@ -128,13 +129,16 @@ def flops_per_sampled_row(cfg: ModelConfig) -> int:
     return 2 * cfg.hidden_size * cfg.padded_vocab_size
 
 
-def kv_bytes_per_token(cfg: ModelConfig, itemsize: int, model_axis: int = 1, kv_cache_dtype: str = "auto") -> int:
-    """A page's bytes per token slot, on one device: K and V of every pool array (every layer of a
-    uniform stack; a stack of several layer groups shares arrays between them, kv_groups.py), KV
-    heads split when the axis divides them; 8-bit pages (`kv_cache_dtype`) count their scales."""
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int, model_axis: int = 1, kv_cache_dtype: str = "auto",
+                       platform: str = "cpu") -> int:
+    """A page's bytes per token slot, on one device of `platform`: K and V of every pool array (every
+    layer of a uniform stack; a stack of several layer groups shares arrays between them,
+    kv_groups.py) at the head_dim the platform stores (kv_groups.pool_head_dim), KV heads split when
+    the axis divides them; 8-bit pages (`kv_cache_dtype`) count their scales."""
     heads = cfg.num_kv_heads // model_axis if cfg.num_kv_heads % model_axis == 0 else cfg.num_kv_heads
     arrays = cfg.kv_groups.num_arrays
-    return 2 * arrays * heads * kv_quant.bytes_per_head_token(kv_cache_dtype, cfg.head_dim, itemsize)
+    head_dim = pool_head_dim(cfg.head_dim, platform)
+    return 2 * arrays * heads * kv_quant.bytes_per_head_token(kv_cache_dtype, head_dim, itemsize)
 
 
 def step_temp_bytes(cfg: ModelConfig, tokens: int, rows: int, itemsize: int, model_axis: int = 1) -> int:
@@ -200,7 +204,7 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
     max_num_batched_tokens = engine.max_num_batched_tokens or max(tokens, engine.max_num_seqs or 0)
     max_num_seqs = engine.max_num_seqs or min(seqs, max_num_batched_tokens)
 
-    per_token = _pool_bytes_per_token(model, draft, itemsize, model_axis, engine.kv_cache_dtype)
+    per_token = _pool_bytes_per_token(model, draft, itemsize, model_axis, engine.kv_cache_dtype, machine.platform)
     page_bytes = per_token * engine.page_size
     probe = dataclasses.replace(engine, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                 max_num_batched_tokens=max_num_batched_tokens)
@@ -268,7 +272,8 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
     num_programs, num_forwards = len(programs), sum(p.kind == "forward" for p in programs)
     pool_bytes = int(num_pages) * page_bytes
     # what compute-dtype pages of the same tokens would take: the 8-bit line's comparison
-    plain_bytes = pool_tokens * _pool_bytes_per_token(model, draft, itemsize, model_axis, "auto")
+    plain_bytes = pool_tokens * _pool_bytes_per_token(model, draft, itemsize, model_axis, "auto",
+                                                      machine.platform)
     kv_words = kv_quant.describe(engine.kv_cache_dtype, model.head_dim, itemsize, pool_bytes=pool_bytes,
                                  plain_bytes=plain_bytes, same_tokens=same_tokens)
     lines = [
@@ -293,11 +298,11 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
 
 
 def _pool_bytes_per_token(model: ModelConfig, draft: ModelConfig | None, itemsize: int, model_axis: int,
-                          kv_cache_dtype: str) -> int:
+                          kv_cache_dtype: str, platform: str) -> int:
     """One token's bytes in the pool on one device: the model's K/V, plus the draft's that shares its pages."""
-    per_token = kv_bytes_per_token(model, itemsize, model_axis, kv_cache_dtype)
+    per_token = kv_bytes_per_token(model, itemsize, model_axis, kv_cache_dtype, platform)
     if draft is not None:
-        per_token += kv_bytes_per_token(draft, itemsize, model_axis, kv_cache_dtype)
+        per_token += kv_bytes_per_token(draft, itemsize, model_axis, kv_cache_dtype, platform)
     return per_token
 
 

@@ -117,11 +117,15 @@ def kept_windows(windows: tuple[int | None, ...], speculative_config: Any = None
     return windows
 
 
-def kv_layout_for(model_cfg: Any, platform: str) -> Any:
-    """The model config a platform serves with: on a TPU every layer still keeps every page (one
-    group), because XLA:TPU was seen to copy the whole pool in a prefill step when two layers write
-    one pool array (gpt-oss-20b on a v6e-4: 17 GiB of temporaries); until that is fixed the
-    grouped pool runs on CPU and GPU only."""
-    if platform == "tpu" and model_cfg.kv_groups.num_groups > 1:
-        return dataclasses.replace(model_cfg, single_kv_group=True)
-    return model_cfg
+TPU_LANES = 128
+
+
+def pool_head_dim(head_dim: int, platform: str) -> int:
+    """The head_dim a pool array stores on `platform`. A TPU tiles an array's minor dim by 128 lanes:
+    for a [pages, page_size, kv_heads, 64] pool XLA:TPU picks a layout with the pages minor (no
+    padding), and every forward step then copied each pool array into the layouts the KV scatter and
+    the Mosaic kernel read: twice the pool in temporaries at any bucket, decode included (a 64 MiB
+    pool, 130 MiB of temporaries; docs/BENCHMARKS.md). A TPU pool is zero-padded to whole lanes
+    instead; zero lanes leave q.k and p.v unchanged (model/paged.py pads q and drops the extra
+    output lanes)."""
+    return -(-head_dim // TPU_LANES) * TPU_LANES if platform == "tpu" else head_dim

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 from jaxserve.core.buckets import choose_bucket
 from jaxserve.core.config import EngineConfig, ModelConfig
-from jaxserve.core.kv_groups import kept_windows, kv_layout_for
+from jaxserve.core.kv_groups import kept_windows
 from jaxserve.core.request import Request, TokenEvent
 from jaxserve.core.step_plan import StepPlan, sampled_tokens
 from jaxserve.engine.page_allocator import PageAllocator
@@ -66,7 +66,7 @@ class EngineCore:
                  dtype: Any = jnp.float32, draft: tuple[ModelConfig, Weights] | None = None) -> None:
         """draft: the proposer's (config, weights) for speculative method draft_model (a model) or
         eagle3 (an EAGLE-3 head); loaded from the config's model directory when not given."""
-        self.model_cfg = model_cfg = kv_layout_for(model_cfg, mesh.devices.flat[0].platform)
+        self.model_cfg = model_cfg
         spec = engine_cfg.speculative_config
         rules = layout_rules(engine_cfg.layout, model_cfg)  # the proposer is placed as the target is
         if spec is not None and spec.method == "draft_model" and draft is None:

@@ -1,8 +1,9 @@
 """The device-side KV page pool: shapes, shardings, the write of new K/V into slots, page copies.
 
 One K and one V array of shape [num_pages, page_size, num_kv_heads, head_dim] per layer of a
-uniform stack; a stack that mixes sliding and full layers shares its arrays between its layer
-groups (core/kv_groups.py: layer i uses array `kv_groups.layer_array[i]`). Split over
+uniform stack (head_dim zero-padded to whole 128-lane tiles on a TPU: kv_groups.pool_head_dim); a
+stack that mixes sliding and full layers shares its arrays between its layer groups
+(core/kv_groups.py: layer i uses array `kv_groups.layer_array[i]`). Split over
 KV heads on the model axis (the runner duplicates KV heads up to a wider axis, model/kv_heads.py;
 replicated when the axis does not divide them). Quantized pools (`--kv-cache-dtype`, quant/kv.py)
 store 8-bit values and per layer a K and a V scale array [num_pages, num_kv_heads, page_size]
@@ -23,6 +24,7 @@ from jax.sharding import NamedSharding
 
 from jaxserve.parallel import sharding
 from jaxserve.core.config import ModelConfig
+from jaxserve.core.kv_groups import pool_head_dim
 from jaxserve.model.weights import logical_dims
 from kernels_pallas.kv_quant import SCALE_DTYPE, is_quantized, quantize
 
@@ -78,7 +80,8 @@ def kv_sharding(cfg: ModelConfig, placement: sharding.Placement) -> NamedShardin
 def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, placement: sharding.Placement) -> KVPages:
     """The pool's declaration: ShapeDtypeStructs placed by `placement`; `dtype` is the storage dtype
     (8-bit: with scales). Allocation, the programs' lowering and the memory plans all read it."""
-    page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(dtype),
+    head_dim = pool_head_dim(cfg.head_dim, placement.mesh.devices.flat[0].platform)
+    page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, head_dim), jnp.dtype(dtype),
                                 sharding=kv_sharding(cfg, placement))
     arrays = cfg.kv_groups.num_arrays
     layers = [page] * arrays
@@ -95,8 +98,10 @@ def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, place
 
 
 def write(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
-    """k, v: [T, Hkv, hd] new entries; slot_mapping: [T] int32 (out of bounds = padding, dropped)."""
+    """k, v: [T, Hkv, hd] new entries, zero-padded to the pool's head_dim (kv_groups.pool_head_dim);
+    slot_mapping: [T] int32 (out of bounds = padding, dropped)."""
     p, ps, h, d = layer.k.shape
+    k, v = (pad_lanes(x, d) for x in (k, v))
 
     def put(pages: jax.Array, scales: jax.Array | None, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         if scales is None:
@@ -110,6 +115,12 @@ def write(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -
     k_pages, k_scales = put(layer.k, layer.k_scales, k)
     v_pages, v_scales = put(layer.v, layer.v_scales, v)
     return LayerKV(k_pages, v_pages, k_scales, v_scales)
+
+
+def pad_lanes(x: jax.Array, width: int) -> jax.Array:
+    """x [..., hd] zero-padded to [..., width] (a TPU pool's head_dim)."""
+    extra = width - x.shape[-1]
+    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
 def copy_pages(kv: KVPages, src: jax.Array, dst: jax.Array) -> KVPages:

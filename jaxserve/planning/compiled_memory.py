@@ -107,6 +107,11 @@ def program_memory(program: Program, model: ModelConfig, engine: EngineConfig, p
                               attention)
     page = (second[0] - first[0]) / (p2 - p1)
     slope = max(0.0, (second[1] - first[1]) / (p2 - p1))
+    if slope < page / (2 * model.kv_groups.num_arrays) / 4:
+        # less than a quarter of one K (or V) array's page: no copy of the pool, but the compiler
+        # placing its buffers a little differently at the two sizes (gpt-oss-20b on a v6e-4: 767
+        # bytes per 16 KiB page, which read as a copy would take 1.09 GiB from a 23 GiB pool)
+        return ProgramMemory(program.name, page, max(first[1], second[1]), 0.0, max(first[2], second[2]), first[3])
     return ProgramMemory(program.name, page, max(0.0, first[1] - slope * p1), slope, max(first[2], second[2]),
                          first[3])
 
@@ -191,10 +196,19 @@ class Collective:
 
 
 def _with_layers(cfg: ModelConfig, layers: int) -> ModelConfig:
-    """The same model, `layers` deep (the first layers' attention windows)."""
+    """The same model, `layers` deep: the first layer of each layer kind, then the first layers, in
+    stack order, so a shallow copy of a mixed stack (Gemma 3: five sliding layers, then a full one)
+    still has its kinds, its KV layer groups and a pool array they share."""
     if layers == cfg.num_layers:
         return cfg
-    return dataclasses.replace(cfg, num_layers=layers, layers=cfg.layers[:layers])
+    sparse = cfg.moe.layers if cfg.moe is not None else (False,) * cfg.num_layers
+    firsts: dict = {}
+    for i, kind in enumerate(zip(cfg.layers, sparse)):
+        firsts.setdefault(kind, i)
+    keep = sorted(firsts.values())[:layers]
+    keep = sorted(keep + [i for i in range(cfg.num_layers) if i not in keep][:layers - len(keep)])
+    moe = None if cfg.moe is None else dataclasses.replace(cfg.moe, layers=tuple(sparse[i] for i in keep))
+    return dataclasses.replace(cfg, num_layers=layers, layers=tuple(cfg.layers[i] for i in keep), moe=moe)
 
 
 def collectives_in(hlo_text: str) -> list[Collective]:

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 
 from jaxserve.core import capacity
 from jaxserve.core.buckets import choose_bucket, declared_buckets
-from jaxserve.core.kv_groups import kv_layout_for
 from jaxserve.core.capacity import MachineInfo, flops_per_sampled_row, flops_per_token, kv_bytes_per_token
 from jaxserve.core.config import EngineConfig, ModelConfig
 from jaxserve.model.attention import make_attention
@@ -134,7 +133,6 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     notes = check_divides(layout, model)
     rules = layout.rules
     model = duplicated_config(model, kv_duplication(model, layout.tp, rules))  # as the runner does
-    model = kv_layout_for(model, target.chip.platform)  # as the engine does
     devices = target.devices()[: layout.tp]
     mesh = sharding.make_mesh(1, layout.tp, devices)
     placement = sharding.Placement(mesh, rules)
@@ -145,7 +143,7 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
     utilization = engine.memory_utilization or capacity.DEFAULT_MEMORY_UTILIZATION[chip.platform]
     usable = int(utilization * chip.hbm_bytes)
     model_axis_kv = layout.tp if dict(rules).get("kv_heads") == sharding.MODEL_AXIS else 1
-    per_token = kv_bytes_per_token(model, dtype.itemsize, model_axis_kv, engine.kv_cache_dtype)
+    per_token = kv_bytes_per_token(model, dtype.itemsize, model_axis_kv, engine.kv_cache_dtype, chip.platform)
     advice: list[str] = []
     sized_from_memory = engine.num_kv_pages is None and engine.kv_cache_memory is None
     try:
