@@ -196,18 +196,27 @@ def test_the_same_bytes_hold_more_sequences_of_real_stacks(name, ratio):
     assert held[0] > ratio * held[1]
 
 
-def test_a_tpu_pool_stores_whole_lanes_and_capacity_counts_them():
-    """gpt-oss's 64-wide heads take 128 lanes in a TPU pool (tests/model/test_family_targets.py shows
-    why), so a TPU page holds half a CPU or GPU page's tokens; 128- and 256-wide heads are unchanged."""
+def test_a_tpu_pool_is_lane_dense_and_capacity_counts_its_bytes():
+    """On a TPU 64-wide heads (gpt-oss) keep K and V side by side in one 128-lane array, and other
+    heads narrower than whole tiles are zero-padded (tests/model/test_family_targets.py shows why):
+    gpt-oss's page holds as many tokens as on a GPU, an 80-wide head's takes 128 lanes."""
     from pathlib import Path
 
     from jaxserve.core.capacity import kv_bytes_per_token
     from jaxserve.core.config import ModelConfig
-    from jaxserve.core.kv_groups import pool_head_dim
+    from jaxserve.core.kv_groups import fused_kv, pool_head_dim
 
-    assert [pool_head_dim(d, "tpu") for d in (64, 80, 128, 192, 256)] == [128, 128, 128, 256, 256]
+    widths = (64, 80, 128, 192, 256)
+    assert [fused_kv(d, "tpu") for d in widths] == [True, False, False, True, False]
+    assert [pool_head_dim(d, "tpu") for d in widths] == [64, 128, 128, 192, 256]
+    assert not any(fused_kv(d, p) for d in widths for p in ("cpu", "gpu"))
     assert [pool_head_dim(d, p) for d in (64, 80) for p in ("cpu", "gpu")] == [64, 64, 80, 80]
     cfg = ModelConfig.from_hf(Path(__file__).parents[1] / "scripts" / "model_configs" / "gpt-oss-20b.json")
     gpu = kv_bytes_per_token(cfg, 2, 1, "auto", "gpu")
     assert gpu == 2 * 12 * 8 * 64 * 2  # K and V of 12 pool arrays (2 groups of 12 layers), 8 heads of 64, bf16
-    assert kv_bytes_per_token(cfg, 2, 1, "auto", "tpu") == 2 * gpu
+    assert kv_bytes_per_token(cfg, 2, 1, "auto", "tpu") == gpu
+    narrow = ModelConfig.from_hf({
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 320, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 80,
+        "max_position_embeddings": 64})
+    assert kv_bytes_per_token(narrow, 2, 1, "auto", "tpu") == 2 * 2 * 2 * 128 * 2  # 80 lanes padded to 128

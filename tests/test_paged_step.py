@@ -121,16 +121,37 @@ def test_kv_pages_are_donated_and_never_copied(qwen3):
     assert large.temp_size_in_bytes == small.temp_size_in_bytes
 
 
+@pytest.mark.parametrize("layout", ["padded", "fused"])
 @pytest.mark.parametrize("variant", ["qwen3-qknorm", "mistral-window"])
-def test_a_pool_padded_to_whole_lanes_serves_the_same_tokens(variant, monkeypatch, tmp_path):
-    """A TPU pool stores narrow heads zero-padded to 128 lanes (kv_groups.pool_head_dim): the same
-    padding on the CPU gives the unpadded path's greedy tokens through chunked prefill and decode, so
-    the padded lanes change nothing (kv_cache.write pads K/V, paged_attend pads q and drops the
-    output's extra lanes)."""
-    monkeypatch.setattr(kv_cache, "pool_head_dim", lambda head_dim, platform: 128)
+def test_a_tpu_pool_layout_serves_the_same_tokens(variant, layout, monkeypatch, tmp_path):
+    """A TPU pool stores narrow heads zero-padded to whole 128-lane tiles (kv_groups.pool_head_dim) or,
+    when K and V together fill them, side by side in one array (kv_groups.fused_kv). Either layout
+    on the CPU gives the plain pool's greedy tokens through chunked prefill and decode: the zero
+    lanes and the V lanes change no score (kv_cache.write lays K/V out, paged_attend pads q and
+    reads the output's own lanes)."""
     cfg, weights, _ = tiny_model(tmp_path, variant, seed=5)
+    if layout == "padded":
+        monkeypatch.setattr(kv_cache, "pool_head_dim", lambda head_dim, platform: 128)
+    else:
+        monkeypatch.setattr(kv_cache, "fused_kv", lambda head_dim, platform: True)
     core = make_core(cfg, weights, max_num_batched_tokens=8, token_buckets=(8,), seq_buckets=(4, 8),
                      max_num_seqs=4, max_model_len=64)
-    assert cfg.head_dim < 128 and core.runner.kv.k[0].shape[-1] == 128
+    kv = core.runner.kv
+    assert kv.k[0].shape[-1] == (128 if layout == "padded" else 2 * cfg.head_dim) != cfg.head_dim
+    assert len(kv.v) == (0 if layout == "fused" else len(kv.k))
     out = run_all(core, [Request(f"r{i}", p, greedy(12)) for i, p in enumerate(PROMPTS)])
     assert [out[f"r{i}"][0] for i in range(len(PROMPTS))] == greedy_generate(weights, cfg, PROMPTS, 12)
+
+
+def test_fused_8bit_pages_serve_the_plain_8bit_pools_tokens(monkeypatch, tmp_path):
+    """int8 pages fused (kv_groups.fused_kv): K and V quantized each with its own per-token scale, as in
+    two arrays, so the tokens are the two-array int8 pool's."""
+    cfg, weights, _ = tiny_model(tmp_path, "qwen3-qknorm", seed=5)
+    sizes = dict(max_num_batched_tokens=8, token_buckets=(8,), seq_buckets=(4, 8), max_num_seqs=4, max_model_len=64,
+                 kv_cache_dtype="int8")
+    requests = lambda: [Request(f"r{i}", p, greedy(12)) for i, p in enumerate(PROMPTS)]  # noqa: E731
+    plain = run_all(make_core(cfg, weights, **sizes), requests())
+    monkeypatch.setattr(kv_cache, "fused_kv", lambda head_dim, platform: True)
+    core = make_core(cfg, weights, **sizes)
+    assert core.runner.kv.v == [] and core.runner.kv.k[0].dtype == jnp.int8
+    assert run_all(core, requests()) == plain

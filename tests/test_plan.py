@@ -324,9 +324,9 @@ def test_plan_command_without_the_cuda_plugin_names_the_extra(tmp_path, capsys, 
 
 
 def test_a_copy_of_the_pool_is_measured_and_placement_noise_is_not(monkeypatch):
-    """program_memory's slope: a 64-wide pool on a TPU (what kv_groups.pool_head_dim avoids) is copied
-    every step, at least one K array's page of temporaries per page; the 128-lane pool serving uses
-    is not, and its two compiles' small differences do not read as a copy."""
+    """program_memory's slope: a pool of 64-wide K and V arrays on a TPU (what kv_groups.fused_kv
+    avoids) is copied every step, at least one K array's page of temporaries per page; the fused
+    pool serving uses is not, and its two compiles' small differences do not read as a copy."""
     from jaxserve.model import kv_cache
     from jaxserve.model.attention import make_attention
     from jaxserve.parallel.sharding import Placement
@@ -337,8 +337,10 @@ def test_a_copy_of_the_pool_is_measured_and_placement_noise_is_not(monkeypatch):
     placement = Placement(make_mesh(1, 1, parse_target("tpu-v6e:1x1").devices()), make_layout("tp", 1).rules)
     measure = lambda: program_memory(Program("forward", tokens=64, rows=8), cfg, engine, placement,  # noqa: E731
                                      "bfloat16", make_attention("auto", cfg, placement))
-    padded = measure()
-    assert padded.page_bytes == 2 * cfg.num_layers * engine.page_size * 4 * 128 * 2 and padded.temp_per_page == 0
+    fused = measure()
+    # one [16, 4, 128] row per layer: K and V of 4 heads of 64 side by side, no padding
+    assert fused.page_bytes == cfg.num_layers * engine.page_size * 4 * 128 * 2 and fused.temp_per_page == 0
+    monkeypatch.setattr(kv_cache, "fused_kv", lambda head_dim, platform: False)
     monkeypatch.setattr(kv_cache, "pool_head_dim", lambda head_dim, platform: head_dim)
     narrow = measure()
     assert narrow.temp_per_page >= narrow.page_bytes / (2 * cfg.num_layers)

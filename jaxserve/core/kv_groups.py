@@ -120,12 +120,21 @@ def kept_windows(windows: tuple[int | None, ...], speculative_config: Any = None
 TPU_LANES = 128
 
 
+def fused_kv(head_dim: int, platform: str) -> bool:
+    """Whether a pool array holds each head's K and V side by side, [..., 2 x head_dim] (K in the
+    first head_dim lanes): on a TPU, for heads narrower than a 128-lane tile whose K and V together
+    fill whole tiles (gpt-oss's 64). A narrower array is laid out by XLA:TPU with its pages minor,
+    and every forward step then copied each pool array into the layouts the KV scatter and the
+    Mosaic kernel read: twice the pool in temporaries at any bucket, decode included (a 64 MiB pool,
+    130 MiB of temporaries; docs/BENCHMARKS.md). Side by side, a page is tile-dense with no padding;
+    model/paged.py gives the kernel that array as both K and V, q zero in the V lanes (q.[k|v] = q.k)
+    and reads p.v from the output's V lanes."""
+    return platform == "tpu" and head_dim % TPU_LANES != 0 and 2 * head_dim % TPU_LANES == 0
+
+
 def pool_head_dim(head_dim: int, platform: str) -> int:
-    """The head_dim a pool array stores on `platform`. A TPU tiles an array's minor dim by 128 lanes:
-    for a [pages, page_size, kv_heads, 64] pool XLA:TPU picks a layout with the pages minor (no
-    padding), and every forward step then copied each pool array into the layouts the KV scatter and
-    the Mosaic kernel read: twice the pool in temporaries at any bucket, decode included (a 64 MiB
-    pool, 130 MiB of temporaries; docs/BENCHMARKS.md). A TPU pool is zero-padded to whole lanes
-    instead; zero lanes leave q.k and p.v unchanged (model/paged.py pads q and drops the extra
-    output lanes)."""
-    return -(-head_dim // TPU_LANES) * TPU_LANES if platform == "tpu" else head_dim
+    """The lanes one head's K (or V) takes in the pool on `platform`: a TPU zero-pads a head that is
+    neither whole tiles nor fused (fused_kv) to whole 128-lane tiles, for the same reason."""
+    if platform != "tpu" or fused_kv(head_dim, platform):
+        return head_dim
+    return -(-head_dim // TPU_LANES) * TPU_LANES

@@ -1,8 +1,9 @@
 """The device-side KV page pool: shapes, shardings, the write of new K/V into slots, page copies.
 
 One K and one V array of shape [num_pages, page_size, num_kv_heads, head_dim] per layer of a
-uniform stack (head_dim zero-padded to whole 128-lane tiles on a TPU: kv_groups.pool_head_dim); a
-stack that mixes sliding and full layers shares its arrays between its layer groups
+uniform stack (on a TPU: 64-wide heads as one [..., 128] array of K and V side by side,
+kv_groups.fused_kv, and other narrow heads zero-padded to whole 128-lane tiles,
+kv_groups.pool_head_dim); a stack that mixes sliding and full layers shares its arrays between its layer groups
 (core/kv_groups.py: layer i uses array `kv_groups.layer_array[i]`). Split over
 KV heads on the model axis (the runner duplicates KV heads up to a wider axis, model/kv_heads.py;
 replicated when the axis does not divide them). Quantized pools (`--kv-cache-dtype`, quant/kv.py)
@@ -24,7 +25,7 @@ from jax.sharding import NamedSharding
 
 from jaxserve.parallel import sharding
 from jaxserve.core.config import ModelConfig
-from jaxserve.core.kv_groups import pool_head_dim
+from jaxserve.core.kv_groups import fused_kv, pool_head_dim
 from jaxserve.model.weights import logical_dims
 from kernels_pallas.kv_quant import SCALE_DTYPE, is_quantized, quantize
 
@@ -33,17 +34,22 @@ SCALE_AXES = ("pages", "kv_heads", "page_slots")
 
 
 class LayerKV(NamedTuple):
-    """One layer's pages: k, v [P, ps, KVH, D]; k_scales, v_scales [P, KVH, ps] f32 or None."""
+    """One layer's pages: k, v [P, ps, KVH, D]; k_scales, v_scales [P, KVH, ps] f32 or None. Fused
+    (kv_groups.fused_kv): k and v are the same [P, ps, KVH, 2 hd] array, K in its first hd lanes."""
     k: jax.Array
     v: jax.Array
     k_scales: jax.Array | None = None
     v_scales: jax.Array | None = None
 
+    @property
+    def fused(self) -> bool:
+        return self.v is self.k
+
 
 @struct.dataclass
 class KVPages:
     k: list[jax.Array]  # per pool array [num_pages, page_size, num_kv_heads, head_dim]
-    v: list[jax.Array]
+    v: list[jax.Array]  # empty when k holds K and V side by side (kv_groups.fused_kv)
     k_scales: list[jax.Array] | None = None  # per pool array [num_pages, num_kv_heads, page_size] (quantized)
     v_scales: list[jax.Array] | None = None
 
@@ -56,14 +62,15 @@ class KVPages:
         return self.k[0].shape[1]
 
     def layers(self) -> list[LayerKV]:
+        v = self.v or self.k  # fused: one array is both
         if self.k_scales is None:
-            return [LayerKV(k, v) for k, v in zip(self.k, self.v)]
-        return [LayerKV(*parts) for parts in zip(self.k, self.v, self.k_scales, self.v_scales)]
+            return [LayerKV(k, v) for k, v in zip(self.k, v)]
+        return [LayerKV(*parts) for parts in zip(self.k, v, self.k_scales, self.v_scales)]
 
     @classmethod
     def from_layers(cls, layers: list[LayerKV]) -> "KVPages":
         quantized = layers[0].k_scales is not None
-        return cls(k=[layer.k for layer in layers], v=[layer.v for layer in layers],
+        return cls(k=[layer.k for layer in layers], v=[] if layers[0].fused else [layer.v for layer in layers],
                    k_scales=[layer.k_scales for layer in layers] if quantized else None,
                    v_scales=[layer.v_scales for layer in layers] if quantized else None)
 
@@ -80,16 +87,19 @@ def kv_sharding(cfg: ModelConfig, placement: sharding.Placement) -> NamedShardin
 def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, placement: sharding.Placement) -> KVPages:
     """The pool's declaration: ShapeDtypeStructs placed by `placement`; `dtype` is the storage dtype
     (8-bit: with scales). Allocation, the programs' lowering and the memory plans all read it."""
-    head_dim = pool_head_dim(cfg.head_dim, placement.mesh.devices.flat[0].platform)
-    page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, head_dim), jnp.dtype(dtype),
+    platform = placement.mesh.devices.flat[0].platform
+    fused = fused_kv(cfg.head_dim, platform)
+    width = 2 * cfg.head_dim if fused else pool_head_dim(cfg.head_dim, platform)
+    page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, width), jnp.dtype(dtype),
                                 sharding=kv_sharding(cfg, placement))
     arrays = cfg.kv_groups.num_arrays
     layers = [page] * arrays
+    v = [] if fused else layers
     if not is_quantized(dtype):
-        return KVPages(k=layers, v=layers)
+        return KVPages(k=layers, v=v)
     scale = jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size), SCALE_DTYPE,
                                  sharding=_sharding(cfg, placement, SCALE_AXES))
-    return KVPages(k=layers, v=layers, k_scales=[scale] * arrays, v_scales=[scale] * arrays)
+    return KVPages(k=layers, v=v, k_scales=[scale] * arrays, v_scales=[scale] * arrays)
 
 
 def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, placement: sharding.Placement) -> KVPages:
@@ -98,23 +108,26 @@ def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, place
 
 
 def write(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
-    """k, v: [T, Hkv, hd] new entries, zero-padded to the pool's head_dim (kv_groups.pool_head_dim);
-    slot_mapping: [T] int32 (out of bounds = padding, dropped)."""
-    p, ps, h, d = layer.k.shape
-    k, v = (pad_lanes(x, d) for x in (k, v))
+    """k, v: [T, Hkv, hd] new entries (zero-padded to the pool's head_dim, or put side by side in a
+    fused array: kv_groups.fused_kv); slot_mapping: [T] int32 (out of bounds = padding, dropped)."""
+    p, ps, h, width = layer.k.shape
+    page, offset = slot_mapping // ps, slot_mapping % ps  # padding: page p -> dropped
 
-    def put(pages: jax.Array, scales: jax.Array | None, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    def encode(x: jax.Array, scales: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+        """x as the pages store it, and the scales with its tokens' set (8-bit pages)."""
         if scales is None:
-            values = x.astype(pages.dtype)
-        else:
-            values, token_scales = quantize(x, pages.dtype)                     # [T, Hkv, hd], [T, Hkv]
-            page, offset = slot_mapping // ps, slot_mapping % ps               # padding: page p -> dropped
-            scales = scales.at[page, :, offset].set(token_scales, mode="drop")
-        return pages.reshape(p * ps, h, d).at[slot_mapping].set(values, mode="drop").reshape(p, ps, h, d), scales
+            return x.astype(layer.k.dtype), None
+        values, token_scales = quantize(x, layer.k.dtype)                   # [T, Hkv, hd], [T, Hkv]
+        return values, scales.at[page, :, offset].set(token_scales, mode="drop")
 
-    k_pages, k_scales = put(layer.k, layer.k_scales, k)
-    v_pages, v_scales = put(layer.v, layer.v_scales, v)
-    return LayerKV(k_pages, v_pages, k_scales, v_scales)
+    def put(pages: jax.Array, values: jax.Array) -> jax.Array:
+        return pages.reshape(p * ps, h, width).at[slot_mapping].set(values, mode="drop").reshape(p, ps, h, width)
+
+    (k, k_scales), (v, v_scales) = encode(k, layer.k_scales), encode(v, layer.v_scales)
+    if layer.fused:
+        pages = put(layer.k, jnp.concatenate([k, v], axis=-1))
+        return LayerKV(pages, pages, k_scales, v_scales)
+    return LayerKV(put(layer.k, pad_lanes(k, width)), put(layer.v, pad_lanes(v, width)), k_scales, v_scales)
 
 
 def pad_lanes(x: jax.Array, width: int) -> jax.Array:

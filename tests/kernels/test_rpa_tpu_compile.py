@@ -147,7 +147,7 @@ def test_kernel_compiles_within_vmem_budget(target, case):
         page_size=cfg["page_size"], block_q=bq, pages_per_block=npb, dtype=cfg["dtype"],
     )
     assert 0 < used <= bound <= limit, (used, bound, limit, bq, npb)
-    if cfg["head_dim"] >= 128:  # head_dim 64: see test_a_head_dim_64_cache_is_relaid_out_so_...
+    if cfg["head_dim"] >= 128:  # head_dim 64: see test_a_head_dim_64_cache_is_relaid_out_so_the_pool_is_lane_dense
         assert not _kv_cache_copies(hlo, args)
 
 
@@ -180,7 +180,7 @@ def test_quantized_pages_compile_within_vmem_budget(target, case, page_dtype):
     bq, npb = rpa.choose_blocks(**sizes, max_pages_per_seq=cfg["context"] // cfg["page_size"], budget=limit)
     bound = rpa.vmem_bytes(**sizes, block_q=bq, pages_per_block=npb)
     assert 0 < used <= bound <= limit, (used, bound, limit, bq, npb)
-    if cfg["head_dim"] >= 128:  # head_dim 64: see test_a_head_dim_64_cache_is_relaid_out_so_...
+    if cfg["head_dim"] >= 128:  # head_dim 64: see test_a_head_dim_64_cache_is_relaid_out_so_the_pool_is_lane_dense
         assert not _kv_cache_copies(hlo, (q, k, v))
 
 
@@ -194,16 +194,16 @@ def test_single_kv_head_cache_is_not_relaid_out(target):
         assert not _kv_cache_copies(hlo, args), jnp.dtype(dtype).name
 
 
-def test_a_head_dim_64_cache_is_relaid_out_so_the_pool_stores_128_lanes():
+def test_a_head_dim_64_cache_is_relaid_out_so_the_pool_is_lane_dense():
     """XLA's default TPU layout of a [P, ps, KVH, 64] cache puts the page axis minor, so feeding the
-    row-major kernel operand copies the whole cache each call. The serving pool therefore stores
-    64-wide heads zero-padded to 128 lanes on a TPU (kv_groups.pool_head_dim; model/paged.py pads q):
-    that cache is fed where it lies."""
+    row-major kernel operand copies the whole cache each call. The serving pool therefore keeps a
+    64-wide head's K and V side by side in 128 lanes on a TPU (kv_groups.fused_kv; model/paged.py
+    gives that array as both K and V and pads q): a 128-lane cache is fed where it lies."""
     shape = dict(kv_heads=8, group=4, page_size=16, dtype=jnp.bfloat16, tokens=64, max_seqs=8, context=8192)
     narrow = _args("v6e", head_dim=64, **shape)
     assert _kv_cache_copies(_compile(narrow).as_text(), narrow)
-    padded = _args("v6e", head_dim=128, **shape)
-    assert not _kv_cache_copies(_compile(padded).as_text(), padded)
+    lane_dense = _args("v6e", head_dim=128, **shape)
+    assert not _kv_cache_copies(_compile(lane_dense).as_text(), lane_dense)
 
 
 # --- errors the wrapper raises before Mosaic does --------------------------------------------

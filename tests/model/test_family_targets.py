@@ -65,11 +65,11 @@ def test_gpt_oss_forward_compiles_for_two_h100s():
 @pytest.mark.parametrize("tokens", [16, 256])
 @in_own_process
 def test_a_tpu_step_writes_and_reads_a_head_dim_64_pool_in_place(tokens):
-    """gpt-oss's 64-wide heads: a TPU pool stores them in whole 128-lane tiles (kv_groups.pool_head_dim),
-    so a step, decode or prefill, writes and reads its two layers' one shared pool array (a sliding
-    and a full layer group) where it lies. Unpadded, XLA:TPU laid the pool out with its pages minor
-    and copied each array into the scatter's and the kernel's layouts every step: over 98 MiB of
-    temporaries here, three times one array's 32 MiB."""
+    """gpt-oss's 64-wide heads: a TPU pool keeps each head's K and V side by side in one 128-lane array
+    (kv_groups.fused_kv), so a step, decode or prefill, writes and reads its two layers' one shared
+    pool array (a sliding and a full layer group) where it lies. As two 64-wide arrays, XLA:TPU laid
+    the pool out with its pages minor and copied each array into the scatter's and the kernel's
+    layouts every step: over 98 MiB of temporaries here, three times one array's 32 MiB."""
     cfg = ModelConfig.from_hf(CONFIGS["gpt_oss"])
     assert (cfg.kv_groups.num_groups, cfg.kv_groups.num_arrays) == (2, 1)
     engine = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, num_kv_pages=2048)
@@ -77,6 +77,6 @@ def test_a_tpu_step_writes_and_reads_a_head_dim_64_pool_in_place(tokens):
     placement = Placement(mesh, make_layout("tp", 1, 1).rules)
     compiled = lower_program(Program("forward", tokens=tokens, rows=8), cfg, engine, placement, "bfloat16",
                              make_attention("auto", cfg, placement)).compile()
-    array_bytes = engine.num_kv_pages * engine.page_size * cfg.num_kv_heads * 128 * 2  # bf16, 128 lanes
+    array_bytes = engine.num_kv_pages * engine.page_size * cfg.num_kv_heads * 128 * 2  # bf16, K|V in 128 lanes
     assert f"bf16[{engine.num_kv_pages},{engine.page_size},{cfg.num_kv_heads},128]" in compiled.as_text()
     assert compiled.memory_analysis().temp_size_in_bytes < array_bytes / 4
