@@ -3,8 +3,8 @@
 One K and one V array of shape [num_pages, page_size, num_kv_heads, head_dim] per layer of a
 uniform stack (on a TPU: 64-wide heads as one [..., 128] array of K and V side by side,
 kv_groups.fused_kv, and other narrow heads zero-padded to whole 128-lane tiles,
-kv_groups.pool_head_dim); a stack that mixes sliding and full layers shares its arrays between its layer groups
-(core/kv_groups.py: layer i uses array `kv_groups.layer_array[i]`). Split over
+kv_groups.pool_head_dim); a stack that mixes sliding and full layers shares its arrays between its
+layer groups (core/kv_groups.py: layer i uses array `kv_groups.layer_array[i]`). Split over
 KV heads on the model axis (the runner duplicates KV heads up to a wider axis, model/kv_heads.py;
 replicated when the axis does not divide them). Quantized pools (`--kv-cache-dtype`, quant/kv.py)
 store 8-bit values and per layer a K and a V scale array [num_pages, num_kv_heads, page_size]
@@ -90,16 +90,16 @@ def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, place
     platform = placement.mesh.devices.flat[0].platform
     fused = fused_kv(cfg.head_dim, platform)
     width = 2 * cfg.head_dim if fused else pool_head_dim(cfg.head_dim, platform)
-    page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, width), jnp.dtype(dtype),
-                                sharding=kv_sharding(cfg, placement))
     arrays = cfg.kv_groups.num_arrays
-    layers = [page] * arrays
-    v = [] if fused else layers
+    # one object per leaf: a LayerKV whose k is its v is a fused one
+    k, v = ([jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, width), jnp.dtype(dtype),
+                                  sharding=kv_sharding(cfg, placement)) for _ in range(n)]
+            for n in (arrays, 0 if fused else arrays))
     if not is_quantized(dtype):
-        return KVPages(k=layers, v=v)
+        return KVPages(k=k, v=v)
     scale = jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size), SCALE_DTYPE,
                                  sharding=_sharding(cfg, placement, SCALE_AXES))
-    return KVPages(k=layers, v=v, k_scales=[scale] * arrays, v_scales=[scale] * arrays)
+    return KVPages(k=k, v=v, k_scales=[scale] * arrays, v_scales=[scale] * arrays)
 
 
 def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, placement: sharding.Placement) -> KVPages:
