@@ -15,7 +15,7 @@ import pytest
 from jaxserve.core.config import EngineConfig
 from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.step_plan import SampledToken, StepPlan, SwapCosts
+from jaxserve.core.step_plan import SampledRows, StepPlan, SwapCosts
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.runner.sampler import count_in_flight
@@ -93,7 +93,7 @@ class Driver:
         self.s.swap_costs = SwapCosts(1.0, 0.0)  # swap whenever a host tier can hold the pages
         self.builder = StepInputBuilder(self.cfg, num_pages, VOCAB, num_groups=len(windows))
         self.inflight: StepPlan | None = None
-        self.samples: dict[int, list[SampledToken]] = {}  # id(plan) -> what the device sampled, drawn at dispatch
+        self.samples: dict[int, SampledRows] = {}  # id(plan) -> what the device sampled, drawn at dispatch
         self.ids: list[str] = []
         self.steps = 0
         self.pending_rows = 0  # penalty rows whose last token was counted on the device
@@ -116,7 +116,7 @@ class Driver:
         tokens = [3, 5, 7, 3, 5, 7, 3, 5]
         self.s.allocator.import_pages(tokens, self.s.namespace(None, None), 2)
 
-    def sampled(self, plan: StepPlan) -> list[SampledToken]:
+    def sampled(self, plan: StepPlan) -> SampledRows:
         return self.samples.pop(id(plan))
 
     def draw(self, plan: StepPlan) -> None:
@@ -124,8 +124,9 @@ class Driver:
         for c in plan.chunks:
             for j in range(c.num_sample_rows):  # a draft is accepted half the time
                 accept = j < len(c.draft_token_ids) and self.rng.random() < 0.5
-                out.append(SampledToken(c.seq_id, c.draft_token_ids[j] if accept else self.rng.randrange(VOCAB)))
-        self.samples[id(plan)] = out
+                out.append(c.draft_token_ids[j] if accept else self.rng.randrange(VOCAB))
+        n = len(out)  # logprobs for the rows that ask (their values do not matter here)
+        self.samples[id(plan)] = SampledRows(out, [0.0] * n, [[0] * 4] * n, [[0.0] * 4] * n)
 
     def step(self) -> None:
         prev = self.inflight
@@ -138,8 +139,9 @@ class Driver:
             in_flight = {}
             if prev is not None:
                 drawn = self.samples[id(prev)]
-                prev_ids[:len(drawn)] = [t.token_id for t in drawn]
-                in_flight = {t.seq_id: t.token_id for t in drawn}  # no drafts in flight: one row each
+                prev_ids[:len(drawn)] = drawn.token_ids
+                # no drafts in flight: one row per sampling chunk
+                in_flight = dict(zip([c.seq_id for c in prev.chunks if c.sample], drawn.token_ids))
             want = rebuild(self.builder, plan, prev, in_flight)  # before the build: it reads the same live state
             got = self.builder.build(plan, prev)
             assert_same_step(got, want, prev_ids)

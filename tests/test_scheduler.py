@@ -11,7 +11,7 @@ from jaxserve.core.config import EngineConfig
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.core.request import FinishReason, Request
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.step_plan import PENDING_TOKEN, SampledToken, StepPlan
+from jaxserve.core.step_plan import PENDING_TOKEN, SampledRows, StepPlan
 from jaxserve.engine.scheduler import Scheduler
 
 EOS = 0
@@ -41,8 +41,8 @@ def step(s: Scheduler, model=fake_token) -> tuple[StepPlan, list]:
     plan = s.schedule()
     s.allocator.check_invariants()
     assert plan.num_tokens <= s.config.max_num_batched_tokens
-    sampled = [SampledToken(c.seq_id, model(c.seq_id, c.start_pos + len(c.token_ids)), -0.5)
-               for c in plan.chunks if c.sample]
+    ids = [model(c.seq_id, c.start_pos + len(c.token_ids)) for c in plan.chunks if c.sample]
+    sampled = SampledRows(ids, [-0.5] * len(ids), [[]] * len(ids), [[]] * len(ids))
     events = s.update(plan, sampled)
     s.allocator.check_invariants()
     return plan, events
@@ -169,8 +169,8 @@ def test_preemption_recomputes_the_newest_and_its_output_continues_unchanged():
         plan = s.schedule()
         recompute_chunks += [(c.token_ids, c.request.prompt_token_ids + c.output_token_ids)
                              for c in plan.chunks if c.start_pos == 0 and c.output_token_ids and c.sample]
-        events = s.update(plan, [SampledToken(c.seq_id, fake_token(c.seq_id, c.start_pos + len(c.token_ids)))
-                                 for c in plan.chunks if c.sample])
+        events = s.update(plan, SampledRows([fake_token(c.seq_id, c.start_pos + len(c.token_ids))
+                                             for c in plan.chunks if c.sample]))
         s.allocator.check_invariants()
         preempted += plan.preempted
         for e in events:
@@ -385,7 +385,7 @@ def scripted(tokens: list[int]):
 def test_stop_conditions(kw, expected, reason):
     s = make()
     kw = {"max_tokens": 6, **kw}
-    s.add(req("a", [1, 2, 3], **kw))
+    s.add(req("a", [1, 2, 3], logprobs=0, **kw))
     events = run_all(s, model=scripted([5, 6, EOS, 7, 8, 9, 10]))[("a", 0)]
     assert tokens_of(events) == expected
     assert [e.finish_reason for e in events] == [None] * (len(expected) - 1) + [reason]
@@ -403,12 +403,14 @@ def test_unbounded_max_tokens_stops_at_the_context_limit():
 
 def test_update_checks_the_sampled_tokens_against_the_plan():
     s = make()
-    s.add(req("a", [1, 2, 3]))
+    s.add(req("a", [1, 2, 3], logprobs=1))
     plan = s.schedule()
     with pytest.raises(ValueError, match="expected 1 sampled"):
-        s.update(plan, [])
-    with pytest.raises(ValueError, match="plan has"):
-        s.update(plan, [SampledToken("zzz#0", 5)])
+        s.update(plan, SampledRows([]))
+    with pytest.raises(ValueError, match="asked for logprobs"):
+        s.update(plan, SampledRows([5]))
+    (e,) = s.update(plan, SampledRows([5], [-0.25], [[5, 9]], [[-0.25, -3.0]]))
+    assert (e.token_id, e.logprob, e.top_logprobs) == (5, -0.25, [(5, -0.25)])  # the request's 1, of the 2 sampled
 
 
 def test_config_must_match_the_allocator():
@@ -433,8 +435,8 @@ def test_one_debug_line_per_step(caplog):
 
 # ---- async scheduling (schedule n+1 before update n) --------------------------------------------
 
-def sampled_for(plan: StepPlan, model=fake_token) -> list[SampledToken]:
-    return [SampledToken(c.seq_id, model(c.seq_id, c.start_pos + len(c.token_ids))) for c in plan.chunks if c.sample]
+def sampled_for(plan: StepPlan, model=fake_token) -> SampledRows:
+    return SampledRows([model(c.seq_id, c.start_pos + len(c.token_ids)) for c in plan.chunks if c.sample])
 
 
 def run_async(s: Scheduler, max_steps: int = 500, model=fake_token) -> list[tuple[StepPlan, list]]:
@@ -479,15 +481,15 @@ def test_async_stop_at_step_n_discards_the_step_n_plus_1_token_and_frees_the_pag
     s.add(req("a", [1, 2, 3], max_tokens=10))
     p0 = s.schedule()
     p1 = s.schedule()
-    (e,) = s.update(p0, [SampledToken("a#0", EOS)])
+    (e,) = s.update(p0, SampledRows([EOS]))
     assert e.finish_reason is FinishReason.STOP
     assert s.allocator.num_free_pages == 16  # freed although step 1 still writes them (see scheduler.py)
     # The id is free again while step 1 is in flight; the new request must not receive its token.
     s.add(req("a", [7, 8, 9, 10, 11], max_tokens=2))
     p2 = s.schedule()
     assert [c.token_ids for c in p2.chunks] == [[7, 8, 9, 10, 11]]
-    assert s.update(p1, [SampledToken("a#0", 42)]) == [] and s.num_discarded_tokens == 1
-    (e,) = s.update(p2, [SampledToken("a#0", 43)])
+    assert s.update(p1, SampledRows([42])) == [] and s.num_discarded_tokens == 1
+    (e,) = s.update(p2, SampledRows([43]))
     assert (e.token_id, e.num_prompt_tokens, e.finish_reason) == (43, 5, None)
 
 

@@ -26,7 +26,7 @@ from jaxserve.core.kv_groups import max_tokens
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.core.request import FinishReason, Request
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.step_plan import PENDING_TOKEN, SampledToken, StepPlan, SwapCosts
+from jaxserve.core.step_plan import PENDING_TOKEN, SampledRows, StepPlan, SwapCosts
 from jaxserve.engine.scheduler import Scheduler
 
 EOS = 0
@@ -71,8 +71,8 @@ def run_alone(setup: Setup, request: Request) -> dict[int, list[int]]:
         if not s.has_work():
             return out
         plan = s.schedule()
-        for e in s.update(plan, [SampledToken(c.seq_id, model(c.seq_id, c.start_pos + len(c.token_ids)))
-                                 for c in plan.chunks if c.sample]):
+        for e in s.update(plan, SampledRows([model(c.seq_id, c.start_pos + len(c.token_ids))
+                                             for c in plan.chunks if c.sample])):
             out.setdefault(e.sample_index, []).append(e.token_id)
     raise AssertionError("run-alone did not finish")
 
@@ -203,13 +203,12 @@ class Harness:
 
     def update(self, plan: StepPlan) -> None:
         alloc = self.s.allocator
-        sampled = [SampledToken(c.seq_id, model(c.seq_id, c.start_pos + len(c.token_ids)))
-                   for c in plan.chunks if c.sample]
+        sampled = [(c.seq_id, model(c.seq_id, c.start_pos + len(c.token_ids))) for c in plan.chunks if c.sample]
         # a token of a sample that finished (stop, abort, finish) before this update is dropped
         owner = {c.seq_id: (c.request.request_id, c.sample_index) for c in plan.chunks}
-        expected = [(owner[t.seq_id], t.token_id) for t in sampled
-                    if not self.terminal[owner[t.seq_id]] and owner[t.seq_id] not in self.cut_applied]
-        events = self.s.update(plan, sampled)
+        expected = [(owner[seq_id], token) for seq_id, token in sampled
+                    if not self.terminal[owner[seq_id]] and owner[seq_id] not in self.cut_applied]
+        events = self.s.update(plan, SampledRows([token for _, token in sampled]))
         alloc.check_invariants()
         assert [((e.request_id, e.sample_index), e.token_id) for e in events] == expected
         for e in events:

@@ -108,6 +108,20 @@ class Sequence:
             return self.output_token_ids[start - p:stop - p]
         return prompt[start:] + self.output_token_ids[:stop - p]
 
+    def stop_reason(self, token: int) -> FinishReason | None:
+        """Why the sequence stops with `token` just appended (None: it goes on)."""
+        params = self.request.params
+        if len(self.output_token_ids) > params.min_tokens:  # stops count only after min_tokens tokens
+            if not params.ignore_eos and token in self.request.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+        if self.guide is not None and self.guide.finished:  # the grammar is complete: nothing else may follow
+            return FinishReason.STOP
+        if self.num_tokens >= self.max_len:
+            return FinishReason.LENGTH
+        return None
+
     @property
     def target_len(self) -> int:
         """How far this sequence must be computed before it can run its next chunk.

@@ -1,5 +1,5 @@
 """What one step is: the scheduler's plan handed to the model runner (StepPlan of ScheduledChunks),
-and what comes back (SampledToken per sample row). The runner side imports these, never the
+and what comes back (SampledRows: the sampled id of each sample row). The runner side imports these, never the
 scheduler. Pure Python; no jax."""
 
 from __future__ import annotations
@@ -13,14 +13,27 @@ PENDING_TOKEN = -1  # in ScheduledChunk.token_ids: the in-flight token sampled b
 
 
 @dataclasses.dataclass(slots=True)
-class SampledToken:
-    """What the model runner returns per sample row, in plan order (a chunk with d drafts has
-    d + 1 rows)."""
+class SampledRows:
+    """What the model runner returns for a plan: per sample row, in plan order (a chunk with d drafts
+    has d + 1 rows), as Python lists, converted from the sampler's arrays once per step (no object
+    per row). logprobs and the top lists are None when no row of the plan asked for logprobs."""
 
-    seq_id: str
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None        # [rows][K] the K most likely ids, K >= every row's request
+    top_logprobs: list[list[float]] | None = None
+
+    @classmethod
+    def from_output(cls, plan: "StepPlan", out: Any) -> "SampledRows":
+        """From a fetched sampler output (numpy token_ids, logprobs, top_ids, top_logprobs)."""
+        n = plan.num_samples
+        if not any(c.sample and c.request.params.logprobs is not None for c in plan.chunks):
+            return cls(out.token_ids[:n].tolist())
+        return cls(out.token_ids[:n].tolist(), out.logprobs[:n].tolist(), out.top_ids[:n].tolist(),
+                   out.top_logprobs[:n].tolist())
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,6 +66,8 @@ class ScheduledChunk:
 class StepPlan:
     chunks: list[ScheduledChunk] = dataclasses.field(default_factory=list)  # 1-token chunks first
     num_tokens: int = 0
+    num_samples: int = 0  # sampler rows: one per sampling chunk, plus one per draft token
+    num_drafts: int = 0   # draft tokens of the plan's chunks
     # (src_page, dst_page) copies done before the step; they read the pages as they were before the
     # step, and no page is a destination twice.
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
@@ -71,13 +86,8 @@ class StepPlan:
     owners: dict[str, Sequence] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
-    def num_samples(self) -> int:
-        """Sampler rows of the plan (one per sampling chunk, plus one per draft token)."""
-        return sum(c.num_sample_rows for c in self.chunks)
-
-    @property
     def has_drafts(self) -> bool:
-        return any(c.draft_token_ids for c in self.chunks)
+        return self.num_drafts > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,28 +98,12 @@ class SwapCosts:
     move_seconds_per_page: float        # one page out to host memory and back
 
 
-def sampled_tokens(plan: StepPlan, out: Any) -> list[SampledToken]:
-    """One SampledToken per sample row of a fetched sampler output (numpy token_ids, logprobs,
-    top_ids, top_logprobs), in plan order (a chunk with d drafts has d + 1 rows). The arrays are
-    turned into Python lists once per step, not element by element."""
-    n = plan.num_samples
-    ids = out.token_ids[:n].tolist()
-    logprobs = top_ids = top_lps = None
-    sampled = []
-    row = 0
-    for chunk in plan.chunks:
-        k = chunk.num_sample_rows
-        if not k:
-            continue
-        want = chunk.request.params.logprobs
-        if want is not None and logprobs is None:
-            logprobs = out.logprobs[:n].tolist()
-            top_ids, top_lps = out.top_ids[:n].tolist(), out.top_logprobs[:n].tolist()
-        for r in range(row, row + k):
-            if want is None:
-                sampled.append(SampledToken(chunk.seq_id, ids[r]))
-            else:
-                top = list(zip(top_ids[r][:want], top_lps[r][:want])) if want else None
-                sampled.append(SampledToken(chunk.seq_id, ids[r], logprobs[r], top))
-        row += k
-    return sampled
+def check_sampled(plan: StepPlan, sampled: SampledRows) -> None:
+    """Raises ValueError unless `sampled` has one row per sample row of `plan` (with logprobs when a
+    row asked for them) and the plan is a scheduler's (its owners name every chunk's sequence)."""
+    if len(sampled) != plan.num_samples:
+        raise ValueError(f"expected {plan.num_samples} sampled tokens for this plan, got {len(sampled)}")
+    if len(plan.owners) != len(plan.chunks):
+        raise ValueError("the plan was not made by this scheduler's schedule()")
+    if sampled.logprobs is None and any(c.sample and c.request.params.logprobs is not None for c in plan.chunks):
+        raise ValueError("a row of the plan asked for logprobs and the sampled rows have none")

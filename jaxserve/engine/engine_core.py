@@ -36,7 +36,7 @@ from jaxserve.core.buckets import choose_bucket
 from jaxserve.core.config import EngineConfig, ModelConfig
 from jaxserve.core.kv_groups import kept_windows
 from jaxserve.core.request import Request, TokenEvent
-from jaxserve.core.step_plan import StepPlan, sampled_tokens
+from jaxserve.core.step_plan import SampledRows, StepPlan
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scheduler_stats import SchedulerStats
@@ -370,7 +370,7 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.runner.fetch(step.out)
         t1 = time.perf_counter()
-        events = self.scheduler.update(step.plan, sampled_tokens(step.plan, out))
+        events = self.scheduler.update(step.plan, SampledRows.from_output(step.plan, out))
         tm = self.timings
         tm.device += t1 - t0
         tm.update += time.perf_counter() - t1

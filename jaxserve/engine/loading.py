@@ -172,13 +172,23 @@ def _load_with_bars(model: str | Path | None, engine_cfg: EngineConfig, show_pro
     return core, tokenizer, model_dir
 
 
+YOUNG_GC_THRESHOLD = 10_000  # see freeze_startup_heap
+
+
 def freeze_startup_heap() -> None:
     """Moves every object alive after start-up (jax, transformers, the model's host structures:
     ~0.5 M objects) out of the garbage collector's sight (gc.freeze, after a collection). Without
     it each collection the step loop's allocations trigger walks them again: 21-23 ms per step at
     1024 running requests (scripts/bench_host.py), against ~2 ms frozen. What the requests create
     later is collected as usual. Unfrozen first, so a process that loads engines again (tests,
-    notebooks) collects the cyclic garbage of the ones it dropped; ~0.1-0.25 s."""
+    notebooks) collects the cyclic garbage of the ones it dropped; ~0.1-0.25 s.
+
+    The youngest generation's threshold is raised too (700 -> YOUNG_GC_THRESHOLD net allocations):
+    a decode step allocates a few objects per row (its chunk, event, lists), which at 700 set off
+    ~2 young collections per step at 256 rows and ~12 at 1024, each walking every request's
+    younger objects: 5 % of the host's time per step at 256 rows, 15 % at 1024 (bench_host.py)."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    young, *older = gc.get_threshold()
+    gc.set_threshold(max(young, YOUNG_GC_THRESHOLD), *older)

@@ -218,6 +218,16 @@ class PageAllocator(PrefixMatch, ShippedPages):
             if new_lo > lo:
                 los[g] = new_lo
 
+    def writable(self, seq_id: str, position: int) -> bool:
+        """Whether every group's page under `position` is held and private to `seq_id`: a one-token
+        write there needs no growth (grow would change nothing). The usual decode; O(groups)."""
+        i = position // self.page_size
+        ref = self._ref
+        for table in self._tables[seq_id]:
+            if i >= len(table) or ref[table[i]] != 1:
+                return False
+        return True
+
     def pages_to_grow(self, seq_id: str, num_tokens: int, write_start: int) -> int:
         """Fresh pages `grow(seq_id, num_tokens, write_start)` would take (new pages plus private
         copies of shared pages that the write [write_start, num_tokens) touches)."""

@@ -44,8 +44,8 @@ import logging
 import threading
 from typing import Any, Callable
 
-from jaxserve.core.request import FinishReason, Sequence, SequenceStatus, TokenEvent
-from jaxserve.core.step_plan import PENDING_TOKEN, SampledToken, ScheduledChunk, StepPlan, SwapCosts
+from jaxserve.core.request import Sequence, SequenceStatus, TokenEvent
+from jaxserve.core.step_plan import PENDING_TOKEN, SampledRows, ScheduledChunk, StepPlan, SwapCosts, check_sampled
 from jaxserve.engine.admission import Admission
 from jaxserve.engine.inbox import Inbox
 from jaxserve.engine.page_allocator import PageAllocator
@@ -194,13 +194,18 @@ class Scheduler(Admission, Inbox):
         moves = self.allocator.drain_transfers()
         plan.demotions, plan.promotions = moves.demotions, moves.promotions
         plan.chunks.sort(key=lambda c: len(c.token_ids) != 1)  # stable: 1-token chunks first
-        plan.num_tokens = sum(len(c.token_ids) for c in plan.chunks)
+        owners, seqs, num_tokens, num_samples, num_drafts = plan.owners, self._seqs, 0, 0, 0
         for chunk in plan.chunks:
-            seq = self._seqs[chunk.seq_id]
-            plan.owners[chunk.seq_id] = seq
-            seq.num_computed_tokens += len(chunk.token_ids)
+            seq = owners[chunk.seq_id] = seqs[chunk.seq_id]
+            n = len(chunk.token_ids)
+            num_tokens += n
+            seq.num_computed_tokens += n
+            if chunk.draft_token_ids:
+                num_drafts += len(chunk.draft_token_ids)
             if chunk.sample:
                 seq.num_inflight += 1
+                num_samples += chunk.num_sample_rows
+        plan.num_tokens, plan.num_samples, plan.num_drafts = num_tokens, num_samples, num_drafts
         self._outstanding += bool(plan.chunks)
         if plan.chunks:
             plan.released, self._released = self._released, []
@@ -214,7 +219,7 @@ class Scheduler(Admission, Inbox):
                          self.allocator.num_free_pages)
         return plan
 
-    def update(self, plan: StepPlan, sampled: list[SampledToken]) -> list[TokenEvent]:
+    def update(self, plan: StepPlan, sampled: SampledRows) -> list[TokenEvent]:
         """Appends the sampled tokens (one per sample row, in plan order), applies stop conditions,
         frees finished sequences' pages and returns one TokenEvent per appended token. A chunk with
         drafts appends its accepted run (speculative/accept.py), stopping early where a stop condition
@@ -223,48 +228,42 @@ class Scheduler(Admission, Inbox):
         Plans are updated in the order they were scheduled. A token of a sequence that finished
         meanwhile (a stop in the previous update, an abort or finish) is discarded without an event;
         a token of a sequence preempted meanwhile is appended and emitted as usual."""
-        if len(sampled) != plan.num_samples:
-            raise ValueError(f"expected {plan.num_samples} sampled tokens for this plan, got {len(sampled)}")
-        owners = plan.owners
-        if len(owners) != len(plan.chunks) or any(c.seq_id not in owners for c in plan.chunks):
-            raise ValueError("the plan was not made by this scheduler's schedule()")
-        row = 0
-        for chunk in plan.chunks:  # all checked before anything changes
-            for tok in sampled[row:row + chunk.num_sample_rows]:
-                if tok.seq_id != chunk.seq_id:
-                    raise ValueError(f"sampled token for {tok.seq_id!r} where the plan has {chunk.seq_id!r}")
-            row += chunk.num_sample_rows
+        check_sampled(plan, sampled)
         self._outstanding -= bool(plan.chunks)
         events: list[TokenEvent] = []
-        row = 0
+        ids, logprobs, top_ids, top_lps = sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs
+        owners, row, finished = plan.owners, 0, SequenceStatus.FINISHED
         for chunk in plan.chunks:
-            k = chunk.num_sample_rows
             seq = owners[chunk.seq_id]
-            toks = sampled[row:row + k]
-            row += k
-            if toks:
-                seq.num_inflight -= 1
-            drafts = chunk.draft_token_ids
-            accepted = 0
+            if not chunk.sample:  # a prefill chunk: its full pages enter the prefix cache
+                if seq.status is not finished:
+                    self._commit(seq)
+                continue
+            seq.num_inflight -= 1
+            first, drafts = row, chunk.draft_token_ids
+            row += 1 + len(drafts)
+            end = row
             if drafts:
-                accepted = self.drafting.verified(seq, drafts, [t.token_id for t in toks])
+                accepted = self.drafting.verified(seq, drafts, ids[first:row])
                 if seq.status is SequenceStatus.RUNNING:
                     seq.num_computed_tokens -= len(drafts) - accepted  # rejected drafts' K/V is garbage now
-            if seq.status is SequenceStatus.FINISHED:
-                self.num_discarded_tokens += len(toks[:accepted + 1])
+                end = first + accepted + 1
+            if seq.status is finished:
+                self.num_discarded_tokens += end - first
                 continue
-            if not toks:
+            outputs, guide, request = seq.output_token_ids, seq.guide, seq.request
+            want = request.params.logprobs
+            for r in range(first, end):
+                token = ids[r]
+                outputs.append(token)
+                if guide is not None:
+                    guide.accept(token)
                 self._commit(seq)
-                continue
-            for tok in toks[:accepted + 1] if drafts else toks:
-                seq.output_token_ids.append(tok.token_id)
-                if seq.guide is not None:
-                    seq.guide.accept(tok.token_id)
-                self._commit(seq)
-                reason = self._stop_reason(seq, tok.token_id)
-                events.append(TokenEvent(seq.request.request_id, seq.sample_index, tok.token_id, tok.logprob,
-                                         tok.top_logprobs, reason, seq.num_prompt_tokens,
-                                         seq.num_cached_prompt_tokens))
+                reason = seq.stop_reason(token)
+                events.append(TokenEvent(request.request_id, seq.sample_index, token,
+                                         None if want is None else logprobs[r],
+                                         list(zip(top_ids[r][:want], top_lps[r][:want])) if want else None,
+                                         reason, len(request.prompt_token_ids), seq.num_cached_prompt_tokens))
                 if reason is not None:
                     self._retire(seq)
                     break
@@ -287,15 +286,17 @@ class Scheduler(Admission, Inbox):
         prefill continuation (not), in order, while the budget lasts; returns the ones it did not
         schedule (a later pass looks at them again: a fork or a preemption may have changed them)."""
         rest = []
+        scheduled, running = st.scheduled, SequenceStatus.RUNNING
         for i, seq in enumerate(seqs):
             if st.budget == 0:
                 return rest + seqs[i:]
-            if seq.status is not SequenceStatus.RUNNING or seq.fork_pending or seq.seq_id in st.scheduled:
+            if seq.status is not running or seq.fork_pending or seq.seq_id in scheduled:
                 rest.append(seq)
                 continue
             if seq.num_inflight and seq.num_tokens + seq.num_inflight >= seq.max_len:
                 continue  # its in-flight token ends it by length: nothing more to compute
-            self._maybe_fork(seq)
+            if seq.pending_siblings:
+                self._maybe_fork(seq)
             if (seq.target_len - seq.num_computed_tokens == 1) == decode_phase:
                 self._schedule_seq(seq, st, allow_preempt=True)
             else:
@@ -314,35 +315,38 @@ class Scheduler(Admission, Inbox):
             self._commit(seq)
             alloc.release_window(seq.seq_id, start)
         drafts = self.drafting.drafts(seq, st.budget) if st.speculate and length == 1 else []
-        if drafts and alloc.pages_to_grow(seq.seq_id, start + 1 + len(drafts), start) > alloc.num_free_pages:
-            drafts = []  # speculation never takes the last pages, nor preempts anyone
-        length += len(drafts)
-        while alloc.pages_to_grow(seq.seq_id, start + length, start) > alloc.num_free_pages:
-            fit = self._tokens_that_fit(seq.seq_id, start, length)
-            if fit > 0:
-                length = fit
-                break
-            if not allow_preempt:
-                return
-            victim = max((s for s in self._running if not s.fork_pending), key=self._victim_key)
-            self._preempt(victim, st)
-            if victim is seq:
-                return
-        copies = alloc.grow(seq.seq_id, start + length, start)
+        if length == 1 and not drafts and alloc.writable(seq.seq_id, start):
+            copies = ()  # the usual decode: its page is its own and covers the token
+        else:
+            if drafts and alloc.pages_to_grow(seq.seq_id, start + 1 + len(drafts), start) > alloc.num_free_pages:
+                drafts = []  # speculation never takes the last pages, nor preempts anyone
+            length += len(drafts)
+            while alloc.pages_to_grow(seq.seq_id, start + length, start) > alloc.num_free_pages:
+                fit = self._tokens_that_fit(seq.seq_id, start, length)
+                if fit > 0:
+                    length = fit
+                    break
+                if not allow_preempt:
+                    return
+                victim = max((s for s in self._running if not s.fork_pending), key=self._victim_key)
+                self._preempt(victim, st)
+                if victim is seq:
+                    return
+            copies = alloc.grow(seq.seq_id, start + length, start)
+        num_tokens = seq.num_tokens
         stop = start + length - len(drafts)  # the drafts come after the sequence's last token
-        known = min(stop, seq.num_tokens)
-        token_ids = seq.token_slice(start, known) if known > start else []
-        if stop > known:  # the token sampled by the step in flight: only ever a 1-token decode
-            assert length == 1 and stop == seq.num_tokens + 1 and seq.num_inflight, (seq.seq_id, start, length)
-            token_ids.append(PENDING_TOKEN)
-        chunk = ScheduledChunk(
-            seq_id=seq.seq_id, request=seq.request, sample_index=seq.sample_index,
-            token_ids=token_ids + drafts if drafts else token_ids, start_pos=start,
-            page_table=alloc.page_table(seq.seq_id), sample=stop == seq.num_tokens + seq.num_inflight,
-            output_token_ids=seq.output_token_ids, lora_slot=seq.lora_slot, draft_token_ids=drafts,
-            group_page_tables=alloc.page_tables(seq.seq_id) if alloc.num_groups > 1 else [])
+        if stop > num_tokens:  # the token sampled by the step in flight: only ever a 1-token decode
+            assert length == 1 and stop == num_tokens + 1 and seq.num_inflight, (seq.seq_id, start, length)
+            token_ids = [PENDING_TOKEN]
+        else:
+            token_ids = seq.token_slice(start, stop)
+        tables = alloc.page_tables(seq.seq_id)
+        chunk = ScheduledChunk(seq.seq_id, seq.request, seq.sample_index, token_ids + drafts if drafts else token_ids,
+                               start, tables[0], stop == num_tokens + seq.num_inflight, seq.output_token_ids,
+                               seq.lora_slot, drafts, tables if len(tables) > 1 else [])
         st.plan.chunks.append(chunk)
-        st.plan.copies.extend(copies)
+        if copies:
+            st.plan.copies.extend(copies)
         st.scheduled[seq.seq_id] = chunk
         st.budget -= length
 
@@ -356,25 +360,13 @@ class Scheduler(Admission, Inbox):
         """Puts seq's newly completed full pages into the prefix cache: pages whose every token is
         known and whose K/V a dispatched step computes (every scheduled step is dispatched before
         the update that commits; a reader of the page runs in a later step, after the writer)."""
-        if seq.status is not SequenceStatus.RUNNING or not self.allocator.has_sequence(seq.seq_id):
-            return  # preempted: its pages are gone
-        ps = self.allocator.page_size
+        alloc = self.allocator
+        if seq.status is not SequenceStatus.RUNNING or not alloc.enable_prefix_caching:
+            return
+        ps = alloc.page_size
         full = min(seq.num_computed_tokens, seq.num_tokens) // ps
-        if self.allocator.enable_prefix_caching and full > (done := self.allocator.num_committed_pages(seq.seq_id)):
-            self.allocator.commit(seq.seq_id, seq.token_slice(done * ps, full * ps), done * ps)  # the new pages only
-
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        params = seq.request.params
-        if len(seq.output_token_ids) > params.min_tokens:  # stops count only after min_tokens tokens
-            if not params.ignore_eos and token in seq.request.eos_token_ids:
-                return FinishReason.STOP
-            if token in params.stop_token_ids:
-                return FinishReason.STOP
-        if seq.guide is not None and seq.guide.finished:  # the grammar is complete: nothing else may follow
-            return FinishReason.STOP
-        if seq.num_tokens >= seq.max_len:
-            return FinishReason.LENGTH
-        return None
+        if full and alloc.has_sequence(seq.seq_id) and full > (done := alloc.num_committed_pages(seq.seq_id)):
+            alloc.commit(seq.seq_id, seq.token_slice(done * ps, full * ps), done * ps)  # the new pages only
 
     def _retire(self, seq: Sequence) -> None:
         """Finished: pages released (full ones stay in the prefix cache as evictable)."""

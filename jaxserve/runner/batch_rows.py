@@ -34,14 +34,14 @@ PARAMS = {"temperature": (np.float32, PADDING_TEMPERATURE), "top_k": (np.int32, 
 class _Penalty:
     """Host bookkeeping of one row's penalty table (the arrays are BatchRows.tab_*[slot])."""
 
-    __slots__ = ("col", "track", "count_outputs", "bias", "ban", "min_tokens", "banning", "applied", "always")
+    __slots__ = ("col", "track", "count_outputs", "rep", "bias", "ban", "min_tokens", "banning", "applied", "always")
 
     def __init__(self, seq: Sequence) -> None:
         p = seq.request.params
         self.col: dict[int, int] = {}          # token id -> its column in the row
-        rep = p.repetition_penalty != 1.0
+        self.rep = p.repetition_penalty != 1.0  # output ids are flagged seen
         self.count_outputs = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        self.track = rep or self.count_outputs  # output ids enter the table
+        self.track = self.rep or self.count_outputs  # output ids enter the table
         self.bias = dict(p.logit_bias or {})
         ban = set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.request.eos_token_ids))
         self.ban = frozenset(ban) if p.min_tokens > 0 and seq.request.grammar is None else frozenset()
@@ -75,6 +75,10 @@ class BatchRows:
         self.tab_seen = np.zeros((0, 0), bool)
         self.tab_bias = np.zeros((0, 0), np.float32)
         self.tab_len = np.zeros(0, np.int64)                      # [rows] columns in use
+        # (slot, column) increments of tab_counts / flags of tab_seen not yet written: counted
+        # per token in Python, written with one scatter per step (flush)
+        self._bumps: tuple[list[int], list[int]] = ([], [])
+        self._seen: tuple[list[int], list[int]] = ([], [])
         self._grow_rows(rows)
 
     def __len__(self) -> int:
@@ -83,6 +87,7 @@ class BatchRows:
     # ---- lifetime ------------------------------------------------------------------------------
 
     def release(self, seqs: Iterable[Sequence]) -> None:
+        self.flush()  # pending increments name slots by number: write them before a slot is reused
         for seq in seqs:
             slot = self.slot_of.pop(seq, None)
             if slot is not None:
@@ -167,12 +172,15 @@ class BatchRows:
         num_outputs: an in-flight one is counted on the device, sampler.count_in_flight) and
         switches the min_tokens ban on or off for a row that samples after num_outputs."""
         pen = self.penalty[slot]
-        known = min(num_outputs, len(outputs))
-        if pen.track and known > pen.applied:
-            for token in outputs[pen.applied:known]:
-                self._count(slot, pen, token)
-            pen.applied = known
-        banning = num_outputs < pen.min_tokens and bool(pen.ban)
+        if pen.track:
+            known = min(num_outputs, len(outputs))
+            if known > pen.applied:
+                for token in outputs[pen.applied:known]:
+                    self._count(slot, pen, token)
+                pen.applied = known
+        if not pen.ban:
+            return
+        banning = num_outputs < pen.min_tokens
         if banning != pen.banning:
             pen.banning = banning
             for token in pen.ban:
@@ -190,9 +198,22 @@ class BatchRows:
             self.tab_bias[slot, col] = 0.0
             self.tab_len[slot] = col + 1
         if pen.count_outputs:
-            self.tab_counts[slot, col] += 1
-        if self.params["repetition_penalty"][slot] != 1.0:
-            self.tab_seen[slot, col] = True
+            self._bumps[0].append(slot)
+            self._bumps[1].append(col)
+        if pen.rep:
+            self._seen[0].append(slot)
+            self._seen[1].append(col)
+
+    def flush(self) -> None:
+        """Writes the counts and seen flags _count deferred (before the tables are read)."""
+        slots, cols = self._bumps
+        if slots:
+            np.add.at(self.tab_counts, (np.array(slots, np.int64), np.array(cols, np.int64)), 1)
+            self._bumps = ([], [])
+        slots, cols = self._seen
+        if slots:
+            self.tab_seen[np.array(slots, np.int64), np.array(cols, np.int64)] = True
+            self._seen = ([], [])
 
     def draft_extension(self, slot: int, extra: Seq[int]) -> list[tuple[int, int]]:
         """(column, token) entries a row would gain by also counting `extra` (a draft row samples
@@ -212,6 +233,7 @@ class BatchRows:
     # ---- growth --------------------------------------------------------------------------------
 
     def _grow_rows(self, rows: int) -> None:
+        self.flush()
         old = len(self.penalty)
         if rows <= old:
             return
@@ -230,6 +252,7 @@ class BatchRows:
         have = self.tab_ids.shape[1]
         if width <= have:
             return
+        self.flush()
         new = max(width, 2 * have, 64)
         pad = lambda a, fill: np.concatenate([a, np.full((a.shape[0], new - have), fill, a.dtype)], axis=1)  # noqa: E731
         self.tab_ids, self.tab_counts = pad(self.tab_ids, -1), pad(self.tab_counts, 0)

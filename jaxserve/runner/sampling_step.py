@@ -27,20 +27,25 @@ def sampling_step(rows: BatchRows, sampling: list[tuple[int, int, ScheduledChunk
     token_row: list[int] = []
     tables: list[tuple[int, int, int, list[int]]] = []  # (sample row, slot, outputs before it, drafts before it)
     pending: list[tuple[int, int]] = []                 # (sample row, previous step's row of its in-flight token)
-    penalized = rows.penalized
+    penalized, penalty = rows.penalized, rows.penalty
     for end, slot, c in sampling:
-        k = 1 + len(c.draft_token_ids)
+        drafts = c.draft_token_ids
+        k = 1 + len(drafts)
         count = c.start_pos + len(c.token_ids) - k + 1 - len(c.request.prompt_token_ids)
         r = len(slots)
         if penalized[slot]:
-            if rows.penalty[slot].track and count > len(c.output_token_ids):
-                if count > len(c.output_token_ids) + 1 or k > 1 or prev_row[end - 1] < 0:
-                    raise ValueError(f"{c.seq_id!r} samples with penalties over {count - len(c.output_token_ids)} "
+            outputs, pen = c.output_token_ids, penalty[slot]
+            if pen.track and count > len(outputs):
+                if count > len(outputs) + 1 or k > 1 or prev_row[end - 1] < 0:
+                    raise ValueError(f"{c.seq_id!r} samples with penalties over {count - len(outputs)} "
                                      "output token(s) the previous step did not sample")
                 pending.append((r, int(prev_row[end - 1])))  # counted on the device
-            rows.apply_outputs(slot, c.output_token_ids, count)
-            tables.extend((r + j, slot, count + j, c.draft_token_ids[:j]) for j in range(k)
-                          if rows.table_active(slot, count + j))
+            rows.apply_outputs(slot, outputs, count)
+            if k == 1 and pen.always:  # the usual row: a table every step
+                tables.append((r, slot, count, drafts))
+            else:
+                tables.extend((r + j, slot, count + j, drafts[:j]) for j in range(k)
+                              if rows.table_active(slot, count + j))
         if k == 1:
             slots.append(slot)
             num_out.append(count)
@@ -64,8 +69,9 @@ def sampling_step(rows: BatchRows, sampling: list[tuple[int, int, ScheduledChunk
     outs = np.zeros(num_rows, np.int32)
     outs[:n] = num_out
     pending_row = np.full(num_rows, -1, np.int32)
-    for r, row in pending:
-        pending_row[r] = row
+    if pending:
+        at, row = zip(*pending)
+        pending_row[list(at)] = row
     ids, counts, seen, bias = _tables(rows, tables, num_rows, {r for r, _ in pending})
     return logits_index, SamplingTensors(
         padded["temperature"], padded["top_k"], padded["top_p"], padded["min_p"], padded["repetition_penalty"],
@@ -78,10 +84,19 @@ def _tables(rows: BatchRows, tables: list[tuple[int, int, int, list[int]]], num_
     """[num_rows, H] ids / output counts / seen / bias of the rows whose table is active (H the
     declared width that holds the widest, with a free column for a row whose token is in flight
     (`pending`); 0 when none is active)."""
+    r_idx = np.array([t[0] for t in tables], np.int64)
+    s_idx = np.array([t[1] for t in tables], np.int64)
+    width = rows.tab_len[s_idx]  # [len(tables)] columns each row's table uses
+    if pending:  # a column for the in-flight token
+        mark = np.zeros(num_rows, np.int64)
+        mark[list(pending)] = 1
+        width = width + mark[r_idx]
     extensions = [rows.draft_extension(slot, drafts) if drafts else [] for _, slot, _, drafts in tables]
-    widest = max((int(rows.tab_len[slot]) + len({c for c, _ in ext if c >= rows.tab_len[slot]}) + (r in pending)
-                  for (r, slot, _, _), ext in zip(tables, extensions)), default=0)
-    h = history_bucket(widest, rows.vocab_size)
+    for i, ext in enumerate(extensions):
+        if ext:
+            have = rows.tab_len[tables[i][1]]
+            width[i] += len({c for c, _ in ext if c >= have})
+    h = history_bucket(int(width.max()) if tables else 0, rows.vocab_size)
     ids = np.full((num_rows, h), -1, np.int32)
     counts = np.zeros((num_rows, h), np.int32)
     seen = np.zeros((num_rows, h), bool)
@@ -89,8 +104,7 @@ def _tables(rows: BatchRows, tables: list[tuple[int, int, int, list[int]]], num_
     if not tables:
         return ids, counts, seen, bias
     rows.fit_width(h)
-    r_idx = np.array([t[0] for t in tables], np.int64)
-    s_idx = np.array([t[1] for t in tables], np.int64)
+    rows.flush()
     ids[r_idx] = rows.tab_ids[s_idx, :h]
     counts[r_idx] = rows.tab_counts[s_idx, :h]
     seen[r_idx] = rows.tab_seen[s_idx, :h]

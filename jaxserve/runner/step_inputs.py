@@ -91,15 +91,25 @@ class StepInputBuilder:
         nc = len(chunks)
         t_bucket, s_bucket = choose_bucket(self.buckets, plan.num_tokens, nc)
         l_bucket = choose_logits_rows(self.cfg, t_bucket, s_bucket, plan.num_samples)
-        owners = plan.owners
+        owners, ps, row_of = plan.owners, self.cfg.page_size, rows.slot_of.get
         slot_of, lens, starts, flat = [], [], [], []
         pending: list[tuple[int, ScheduledChunk]] = []
         sampling: list[tuple[int, int, ScheduledChunk]] = []  # (token row after the chunk, slot, chunk)
+        entries: tuple[list[int], list[int], list[int]] = ([], [], [])  # (slot, column, page) decode writes
         t = 0
         for c in chunks:
             ids, start = c.token_ids, c.start_pos
             n = len(ids)
-            slot = rows.slot(owners[c.seq_id], c.page_table, start, c.group_page_tables)
+            seq = owners[c.seq_id]
+            slot = row_of(seq)
+            table = c.page_table
+            if slot is not None and n == 1 and len(table) == start // ps + 1 and not c.group_page_tables:
+                # the usual decode: only the entry of its page can be new; written in one scatter below
+                entries[0].append(slot)
+                entries[1].append(start // ps)
+                entries[2].append(table[-1])
+            else:
+                slot = rows.slot(seq, table, start, c.group_page_tables)
             slot_of.append(slot)
             lens.append(n)
             starts.append(start)
@@ -109,9 +119,10 @@ class StepInputBuilder:
                 pending.append((t - 1, c))
             if c.sample:
                 sampling.append((t, slot, c))
+        if entries[0]:
+            rows.pages[entries[0], entries[1]] = entries[2]
         len_arr = np.array(lens, np.int64)
         start_arr = np.array(starts, np.int64)
-        ps = self.cfg.page_size
         token_ids = np.zeros(t_bucket, np.int32)
         token_ids[:t] = flat
         prev_row = np.full(t_bucket, -1, np.int32)
@@ -154,13 +165,17 @@ class StepInputBuilder:
                       token_ids: np.ndarray, prev_row: np.ndarray) -> None:
         """Token rows whose id is the previous step's sample: read on the device from its row."""
         spans = sampler_spans(prev_plan)
+        at, rows = [], []
         for t, c in pending:
-            # a chunk with drafts emits an accepted run: the engine completes its step before planning on it
-            row = row_that_sampled(spans, c) if spans.get(c.seq_id, (0, 0, 0))[2] == 1 else None
-            if row is None:
+            # the previous step sampled start_pos - 1 in a row of its own (a chunk with drafts emits an
+            # accepted run: the engine completes its step before planning on it)
+            span = spans.get(c.seq_id)
+            if span is None or span[2] != 1 or span[0] != c.start_pos - 1:
                 raise ValueError(f"{c.seq_id!r} decodes a pending token that the previous step did not sample")
-            token_ids[t] = 0
-            prev_row[t] = row
+            at.append(t)
+            rows.append(span[1])
+        token_ids[at] = 0
+        prev_row[at] = rows
 
 
 def _shift_chunk(shift: EagleShift, t: int, c: ScheduledChunk, plan: StepPlan, first_row: int) -> None:
@@ -202,8 +217,9 @@ def sampler_spans(plan: StepPlan | None) -> dict[str, tuple[int, int, int]]:
     spans, row = {}, 0
     for c in plan.chunks if plan is not None else ():
         if c.sample:
-            spans[c.seq_id] = (c.start_pos + len(c.token_ids) - c.num_sample_rows, row, c.num_sample_rows)
-        row += c.num_sample_rows
+            k = 1 + len(c.draft_token_ids)
+            spans[c.seq_id] = (c.start_pos + len(c.token_ids) - k, row, k)
+            row += k
     return spans
 
 

@@ -82,6 +82,8 @@ class Drafting:
             chunk.draft_token_ids = drafts
             seq.num_computed_tokens -= slots - len(drafts)
             plan.num_tokens -= slots - len(drafts)
+            plan.num_drafts -= slots - len(drafts)
+            plan.num_samples -= slots - len(drafts) if chunk.sample else 0
 
     @staticmethod
     def grammar_cut(seq: "Sequence", drafts: list[int]) -> list[int]:

@@ -12,7 +12,7 @@ from jaxserve.core.config import EngineConfig
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.core.request import FinishReason, Request
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.step_plan import SampledToken
+from jaxserve.core.step_plan import SampledRows
 from jaxserve.engine.scheduler import Scheduler
 
 EOS = 0
@@ -37,13 +37,13 @@ def req(rid: str, prompt: list[int], **kw) -> Request:
     return Request(rid, prompt, SamplingParams(**{"max_tokens": 24, **kw}), eos_token_ids=frozenset({EOS}))
 
 
-def sampled_rows(plan, model=periodic) -> list[SampledToken]:
+def sampled_rows(plan, model=periodic) -> SampledRows:
     """Row j of a chunk with d drafts samples the token after position start + len - (d + 1) + j."""
     out = []
     for c in plan.chunks:
         first = c.start_pos + len(c.token_ids) - c.num_sample_rows
-        out += [SampledToken(c.seq_id, model(c.seq_id, first + j + 1)) for j in range(c.num_sample_rows)]
-    return out
+        out += [model(c.seq_id, first + j + 1) for j in range(c.num_sample_rows)]
+    return SampledRows(out)
 
 
 def drain(s: Scheduler, model=periodic, on_plan=None) -> dict:
@@ -120,7 +120,7 @@ def test_a_draft_chunk_computes_the_last_token_and_the_drafts_and_rolls_back_rej
     assert c.draft_token_ids and c.token_ids == [last, *c.draft_token_ids] and c.start_pos == seq.num_tokens - 1
     assert c.num_sample_rows == 1 + len(c.draft_token_ids) == plan.num_samples
     assert seq.num_computed_tokens == seq.num_tokens - 1 + len(c.token_ids)
-    wrong = [SampledToken("a#0", 99)] * plan.num_samples  # every draft rejected
+    wrong = SampledRows([99] * plan.num_samples)  # every draft rejected
     (event,) = s.update(plan, wrong)
     assert event.token_id == 99 and seq.num_computed_tokens == seq.num_tokens - 1
     assert s.spec_stats.num_accepted_tokens == 0 and s.spec_stats.num_drafts == 1
@@ -188,10 +188,10 @@ def test_a_constrained_sequence_drafts_only_what_its_grammar_allows():
     r = req("g", PATTERN * 2 + [11])
     s.add(dataclasses.replace(r, grammar=_Grammar()))
     plan = s.schedule()
-    s.update(plan, [SampledToken("g#0", 12)])
+    s.update(plan, SampledRows([12]))
     plan = s.schedule()
     assert plan.chunks[0].draft_token_ids == []           # after 11, 12 the pattern continues with 13
-    s.update(plan, [SampledToken("g#0", 11)])
+    s.update(plan, SampledRows([11]))
     plan = s.schedule()
     assert plan.chunks[0].draft_token_ids == [12]         # 11 -> 12 allowed, 13 is not
 
