@@ -85,7 +85,7 @@ class Sequence:
     # the scheduler step from which it proposes again (it backs off after repeated misses).
     draft_misses: int = 0
     draft_resume_step: int = 0
-    token_history: "TokenHistory | None" = None  # n-gram proposals: its tokens as an array, grown per step
+    token_history: "TokenHistory | None" = None  # n-gram proposals: its tokens as bytes, grown per step
     lora_slot: int = -1                # multi-LoRA: the device slot it pins while admitted (-1: none)
     # admission: (num_tokens, prefix-cache page keys of its tokens) while it waits at the head of the line
     prefix_keys: tuple[int, list[bytes]] | None = None

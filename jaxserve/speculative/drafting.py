@@ -60,8 +60,7 @@ class Drafting:
         if history is None:
             history = seq.token_history = ngram.TokenHistory()
         history.extend(seq.token_slice(history.length, seq.num_tokens))  # the tokens since its last proposal
-        drafts = ngram.propose(history.view(), k, spec.prompt_lookup_min,
-                               spec.prompt_lookup_max).tolist()
+        drafts = history.propose(k, spec.prompt_lookup_min, spec.prompt_lookup_max).tolist()
         drafts = self.grammar_cut(seq, drafts)
         if not drafts:
             self.outcome(seq, hit=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxserve.speculative.config import SpeculativeConfig
@@ -45,19 +46,41 @@ def test_speculative_config_parses_vllms_shape_and_names_bad_fields():
             SpeculativeConfig.parse(text)
 
 
-def test_a_token_history_extended_step_by_step_proposes_what_the_whole_list_does():
-    """The engine keeps each sequence's tokens in a TokenHistory (appended per step, never rebuilt):
-    its view is the token list, grown past its first buffer, and proposals over it are propose()'s."""
+def _reference_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The lookup as a sliding-window comparison over every earlier window (the oracle)."""
+    seq = np.asarray(tokens, np.int64)
+    length = len(seq)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:length - 1], n)  # windows before the suffix
+        hits = np.flatnonzero((windows == seq[length - n:]).all(axis=1))
+        if len(hits):
+            starts = hits + n
+            full = starts[starts + k <= length]
+            start = full[-1] if len(full) else starts[0]
+            return seq[start:start + k].tolist()
+    return []
+
+
+def test_a_token_history_extended_step_by_step_proposes_what_a_window_search_finds():
+    """The engine keeps each sequence's tokens as bytes (appended per step, never rebuilt) and
+    searches them with bytes.rfind / find: proposals equal the sliding-window oracle's, including
+    ids whose bytes also match across token boundaries (256 = 00 01 00 00, 65536, 2**24 + 1)."""
     import random
 
     from jaxserve.speculative.ngram import TokenHistory
 
     rng = random.Random(0)
-    for _ in range(200):
+    alphabets = [[0, 1, 2, 3], [0, 1, 256, 65536, 2**24 + 1, 257, 151935]]
+    for trial in range(300):
+        alphabet = alphabets[trial % 2]
+        k, min_n = rng.randint(1, 6), rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
         history, tokens = TokenHistory(), []
-        for _ in range(rng.randint(1, 40)):
-            new = [rng.randrange(4) for _ in range(rng.randint(1, 9))]
+        for _ in range(rng.randint(1, 30)):
+            new = [rng.choice(alphabet) for _ in range(rng.randint(1, 9))]
             tokens += new
             history.extend(new)
-            assert history.view().tolist() == tokens
-            assert propose(history.view(), 3, 1, 4).tolist() == propose(tokens, 3, 1, 4).tolist()
+            assert history.length == len(tokens)
+            want = _reference_propose(tokens, k, min_n, max_n)
+            assert history.propose(k, min_n, max_n).tolist() == want, (tokens, k, min_n, max_n)
+            assert propose(tokens, k, min_n, max_n).tolist() == want
