@@ -84,6 +84,8 @@ def _tables(rows: BatchRows, tables: list[tuple[int, int, int, list[int]]], num_
     """[num_rows, H] ids / output counts / seen / bias of the rows whose table is active (H the
     declared width that holds the widest, with a free column for a row whose token is in flight
     (`pending`); 0 when none is active)."""
+    if not tables:
+        return _empty_tables(num_rows, history_bucket(0, rows.vocab_size))
     r_idx = np.array([t[0] for t in tables], np.int64)
     s_idx = np.array([t[1] for t in tables], np.int64)
     width = rows.tab_len[s_idx]  # [len(tables)] columns each row's table uses
@@ -96,13 +98,8 @@ def _tables(rows: BatchRows, tables: list[tuple[int, int, int, list[int]]], num_
         if ext:
             have = rows.tab_len[tables[i][1]]
             width[i] += len({c for c, _ in ext if c >= have})
-    h = history_bucket(int(width.max()) if tables else 0, rows.vocab_size)
-    ids = np.full((num_rows, h), -1, np.int32)
-    counts = np.zeros((num_rows, h), np.int32)
-    seen = np.zeros((num_rows, h), bool)
-    bias = np.zeros((num_rows, h), np.float32)
-    if not tables:
-        return ids, counts, seen, bias
+    h = history_bucket(int(width.max()), rows.vocab_size)
+    ids, counts, seen, bias = _empty_tables(num_rows, h)
     rows.fit_width(h)
     rows.flush()
     ids[r_idx] = rows.tab_ids[s_idx, :h]
@@ -123,3 +120,9 @@ def _tables(rows: BatchRows, tables: list[tuple[int, int, int, list[int]]], num_
             for token in pen.ban:
                 bias[r, pen.col[token]] = pen.bias.get(token, 0.0)
     return ids, counts, seen, bias
+
+
+def _empty_tables(num_rows: int, h: int) -> tuple[np.ndarray, ...]:
+    """[num_rows, h] ids (-1) / counts / seen / bias of rows without a table."""
+    return (np.full((num_rows, h), -1, np.int32), np.zeros((num_rows, h), np.int32),
+            np.zeros((num_rows, h), bool), np.zeros((num_rows, h), np.float32))
