@@ -311,8 +311,10 @@ def stage_plan(profile: Profile, work: Path, result: Result, args: dict) -> None
     directory = model_dir(profile.model, work / "plan-model")
     batch, context = int(args["batch"]), int(args["context"])
     out = work / "plan.json"
+    # the served engine's flags (the dry run's few buckets; none on an accelerator): the plan predicts
+    # the engine the serve stage measured, not a default-sized one it never ran
     cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "plan", str(directory), "--target", args.get("target", profile.target),
-           "--batch", str(batch), "--context", str(context), "--json", str(out)]
+           "--batch", str(batch), "--context", str(context), "--json", str(out), *profile.serve_args]
     result.set(command=" ".join(["jaxserve", *cmd[3:]]))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)

@@ -97,8 +97,11 @@ def test_fit_answers_match_hand_arithmetic(target, tp, pool_gib, fits):
     assert PARAMS == 5_523_972_096 and WEIGHT_BYTES / GIB == pytest.approx(10.29, abs=0.01)
     engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=4096,
                           kv_cache_memory=pool_gib * GIB)  # one forward bucket: a short compile
+    # one of the 4 layers compiled (code scaled to depth, temporaries as compiled): the fit arithmetic
+    # takes the plan's temporaries and code whatever their depth, and the weights come from the
+    # declaration of all 4 (a full-depth compile took 45 of this test's 47 s on an AMD EPYC)
     plan = plan_deployment(ModelConfig.from_hf(BIG), parse_target(target), make_layout("tp", tp, tp), engine,
-                           "bfloat16")
+                           "bfloat16", compile_layers=1)
     if tp == 1:
         assert plan.weight_bytes == WEIGHT_BYTES
     else:  # every weight splits 4 ways except the norms
@@ -135,14 +138,15 @@ def test_lora_slots_are_counted_from_their_declaration(tp):
 
 def test_collectives_are_read_from_compiled_tp_programs():
     cfg = _config(num_attention_heads=8, num_key_value_heads=4, vocab_size=1024)
-    plan = plan_deployment(cfg, parse_target("tpu-v6e:2x2"), make_layout("tp", 4),
-                           EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128), "bfloat16")
+    # 16 tokens for 8 sequences: the decode forward (whose collectives are read) is the largest, so
+    # the plan compiles no second forward the collectives do not come from
+    engine = EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128)
+    plan = plan_deployment(cfg, parse_target("tpu-v6e:2x2"), make_layout("tp", 4), engine, "bfloat16")
     reduce = {c.kind: c for c in plan.collectives}["all-reduce"]
     # one after attention and one after the MLP in each of the 2 layers, over [T=16, hidden 128] bf16 rows
     assert reduce.count >= 2 * cfg.num_layers
     assert reduce.bytes >= 2 * cfg.num_layers * 16 * 128 * 2
-    single = plan_deployment(cfg, parse_target("tpu-v6e:1x1"), make_layout("tp", 1),
-                             EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128), "bfloat16")
+    single = plan_deployment(cfg, parse_target("tpu-v6e:1x1"), make_layout("tp", 1), engine, "bfloat16")
     assert single.collectives == []
 
 
