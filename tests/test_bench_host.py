@@ -22,3 +22,21 @@ def test_every_mode_runs_on_the_stand_in_device():
     assert sampling["sync_steps"] == 0 and greedy["sync_steps"] == 0  # penalties stay asynchronous
     assert ngram["sync_steps"] > 0  # speculation needs each step's last token
     assert structured["stages_ms"]["mask"] > 0  # every row constrained: masks built each step
+
+
+def test_the_cpu_clock_times_the_engine_thread_and_is_put_back():
+    """--clock cpu: the stages read the engine thread's CPU time during the run only; it needs the
+    stand-in device (the real device works on other threads)."""
+    import time
+
+    import pytest
+
+    from jaxserve.engine import engine_core
+
+    r = bench_host.run(8, 64, "greedy", steps=3, repeats=1, fake_device_ms=20.0, clock="cpu")
+    assert r["clock"] == "cpu" and engine_core.time is time
+    # the stand-in device's 20 ms per step are a sleep: wall time counts them, CPU time does not
+    wall = bench_host.run(8, 64, "greedy", steps=3, repeats=1, fake_device_ms=20.0)
+    assert r["wall_ms"] < 10.0 < wall["wall_ms"]
+    with pytest.raises(SystemExit):
+        bench_host.main(["--rows", "8", "--clock", "cpu"])
