@@ -1,6 +1,6 @@
 """What one step is: the scheduler's plan handed to the model runner (StepPlan of ScheduledChunks),
-and what comes back (SampledRows: the sampled id of each sample row). The runner side imports these, never the
-scheduler. Pure Python; no jax."""
+and what comes back (SampledRows: the sampled id of each sample row). The runner side imports
+these, never the scheduler. Pure Python; no jax."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ class SwapCosts:
 
 def check_sampled(plan: StepPlan, sampled: SampledRows) -> None:
     """Raises ValueError unless `sampled` has one row per sample row of `plan` (with logprobs when a
-    row asked for them) and the plan is a scheduler's (its owners name every chunk's sequence)."""
+    row asked for them) and the plan is a scheduler's (an owner per chunk)."""
     if len(sampled) != plan.num_samples:
         raise ValueError(f"expected {plan.num_samples} sampled tokens for this plan, got {len(sampled)}")
     if len(plan.owners) != len(plan.chunks):

@@ -165,7 +165,7 @@ class StepInputBuilder:
                       token_ids: np.ndarray, prev_row: np.ndarray) -> None:
         """Token rows whose id is the previous step's sample: read on the device from its row."""
         spans = sampler_spans(prev_plan)
-        at, rows = [], []
+        at, sample_rows = [], []
         for t, c in pending:
             # the previous step sampled start_pos - 1 in a row of its own (a chunk with drafts emits an
             # accepted run: the engine completes its step before planning on it)
@@ -173,9 +173,9 @@ class StepInputBuilder:
             if span is None or span[2] != 1 or span[0] != c.start_pos - 1:
                 raise ValueError(f"{c.seq_id!r} decodes a pending token that the previous step did not sample")
             at.append(t)
-            rows.append(span[1])
+            sample_rows.append(span[1])
         token_ids[at] = 0
-        prev_row[at] = rows
+        prev_row[at] = sample_rows
 
 
 def _shift_chunk(shift: EagleShift, t: int, c: ScheduledChunk, plan: StepPlan, first_row: int) -> None:
