@@ -27,7 +27,7 @@ class SampledRows:
     def from_output(cls, plan: "StepPlan", out: Any) -> "SampledRows":
         """From a fetched sampler output (numpy token_ids, logprobs, top_ids, top_logprobs)."""
         n = plan.num_samples
-        if not any(c.sample and c.request.params.logprobs is not None for c in plan.chunks):
+        if not plan.wants_logprobs:
             return cls(out.token_ids[:n].tolist())
         return cls(out.token_ids[:n].tolist(), out.logprobs[:n].tolist(), out.top_ids[:n].tolist(),
                    out.top_logprobs[:n].tolist())
@@ -68,6 +68,7 @@ class StepPlan:
     num_tokens: int = 0
     num_samples: int = 0  # sampler rows: one per sampling chunk, plus one per draft token
     num_drafts: int = 0   # draft tokens of the plan's chunks
+    wants_logprobs: bool = False  # some sampling chunk's request asked for logprobs
     # (src_page, dst_page) copies done before the step; they read the pages as they were before the
     # step, and no page is a destination twice.
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
@@ -105,5 +106,5 @@ def check_sampled(plan: StepPlan, sampled: SampledRows) -> None:
         raise ValueError(f"expected {plan.num_samples} sampled tokens for this plan, got {len(sampled)}")
     if len(plan.owners) != len(plan.chunks):
         raise ValueError("the plan was not made by this scheduler's schedule()")
-    if sampled.logprobs is None and any(c.sample and c.request.params.logprobs is not None for c in plan.chunks):
+    if sampled.logprobs is None and plan.wants_logprobs:
         raise ValueError("a row of the plan asked for logprobs and the sampled rows have none")

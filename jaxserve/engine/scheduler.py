@@ -205,6 +205,7 @@ class Scheduler(Admission, Inbox):
             if chunk.sample:
                 seq.num_inflight += 1
                 num_samples += chunk.num_sample_rows
+                plan.wants_logprobs |= chunk.request.params.logprobs is not None
         plan.num_tokens, plan.num_samples, plan.num_drafts = num_tokens, num_samples, num_drafts
         self._outstanding += bool(plan.chunks)
         if plan.chunks:
@@ -362,7 +363,7 @@ class Scheduler(Admission, Inbox):
         the update that commits; a reader of the page runs in a later step, after the writer)."""
         alloc = self.allocator
         if seq.status is not SequenceStatus.RUNNING or not alloc.enable_prefix_caching:
-            return
+            return  # (a preempted sequence's pages are gone: has_sequence below)
         ps = alloc.page_size
         full = min(seq.num_computed_tokens, seq.num_tokens) // ps
         if full and alloc.has_sequence(seq.seq_id) and full > (done := alloc.num_committed_pages(seq.seq_id)):

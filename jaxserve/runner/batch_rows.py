@@ -75,8 +75,9 @@ class BatchRows:
         self.tab_seen = np.zeros((0, 0), bool)
         self.tab_bias = np.zeros((0, 0), np.float32)
         self.tab_len = np.zeros(0, np.int64)                      # [rows] columns in use
-        # (slot, column) increments of tab_counts / flags of tab_seen not yet written: counted
-        # per token in Python, written with one scatter per step (flush)
+        # written with one scatter per step (flush) instead of per row: (slot, column, page) entries
+        # of the usual decode, (slot, column) increments of tab_counts and flags of tab_seen
+        self._entries: tuple[list[int], list[int], list[int]] = ([], [], [])
         self._bumps: tuple[list[int], list[int]] = ([], [])
         self._seen: tuple[list[int], list[int]] = ([], [])
         self._grow_rows(rows)
@@ -98,13 +99,20 @@ class BatchRows:
     def slot(self, seq: Sequence, page_table: Seq[int], start: int, group_tables: Seq[Seq[int]] = ()) -> int:
         """seq's row, created on first sight; its page entries from the page of `start` (the
         chunk's first position) on are rewritten from `page_table` (the allocator's live list), or
-        with several KV layer groups from each group's table into its columns (group_tables)."""
+        with several KV layer groups from each group's table into its columns (group_tables). The
+        usual decode's one entry is written at the next flush()."""
         slot = self.slot_of.get(seq)
         if slot is None:
             slot = self._admit(seq)
             first = 0
         else:
             first = start // self.page_size
+            if not group_tables and len(page_table) == first + 1:
+                entries = self._entries
+                entries[0].append(slot)
+                entries[1].append(first)
+                entries[2].append(page_table[first])
+                return slot
         if not group_tables:
             self._write_pages(self.pages[slot], page_table, first)
         for g, table in enumerate(group_tables):
@@ -205,7 +213,12 @@ class BatchRows:
             self._seen[1].append(col)
 
     def flush(self) -> None:
-        """Writes the counts and seen flags _count deferred (before the tables are read)."""
+        """Writes the page entries, counts and seen flags deferred by slot() and _count (before
+        the rows are read, and before a released slot is reused)."""
+        slots, cols, pages = self._entries
+        if slots:
+            self.pages[slots, cols] = pages
+            self._entries = ([], [], [])
         slots, cols = self._bumps
         if slots:
             np.add.at(self.tab_counts, (np.array(slots, np.int64), np.array(cols, np.int64)), 1)
@@ -233,7 +246,6 @@ class BatchRows:
     # ---- growth --------------------------------------------------------------------------------
 
     def _grow_rows(self, rows: int) -> None:
-        self.flush()
         old = len(self.penalty)
         if rows <= old:
             return
@@ -252,7 +264,6 @@ class BatchRows:
         have = self.tab_ids.shape[1]
         if width <= have:
             return
-        self.flush()
         new = max(width, 2 * have, 64)
         pad = lambda a, fill: np.concatenate([a, np.full((a.shape[0], new - have), fill, a.dtype)], axis=1)  # noqa: E731
         self.tab_ids, self.tab_counts = pad(self.tab_ids, -1), pad(self.tab_counts, 0)

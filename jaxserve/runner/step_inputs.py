@@ -91,25 +91,15 @@ class StepInputBuilder:
         nc = len(chunks)
         t_bucket, s_bucket = choose_bucket(self.buckets, plan.num_tokens, nc)
         l_bucket = choose_logits_rows(self.cfg, t_bucket, s_bucket, plan.num_samples)
-        owners, ps, row_of = plan.owners, self.cfg.page_size, rows.slot_of.get
+        owners = plan.owners
         slot_of, lens, starts, flat = [], [], [], []
         pending: list[tuple[int, ScheduledChunk]] = []
         sampling: list[tuple[int, int, ScheduledChunk]] = []  # (token row after the chunk, slot, chunk)
-        entries: tuple[list[int], list[int], list[int]] = ([], [], [])  # (slot, column, page) decode writes
         t = 0
         for c in chunks:
             ids, start = c.token_ids, c.start_pos
             n = len(ids)
-            seq = owners[c.seq_id]
-            slot = row_of(seq)
-            table = c.page_table
-            if slot is not None and n == 1 and len(table) == start // ps + 1 and not c.group_page_tables:
-                # the usual decode: only the entry of its page can be new; written in one scatter below
-                entries[0].append(slot)
-                entries[1].append(start // ps)
-                entries[2].append(table[-1])
-            else:
-                slot = rows.slot(seq, table, start, c.group_page_tables)
+            slot = rows.slot(owners[c.seq_id], c.page_table, start, c.group_page_tables)
             slot_of.append(slot)
             lens.append(n)
             starts.append(start)
@@ -119,10 +109,10 @@ class StepInputBuilder:
                 pending.append((t - 1, c))
             if c.sample:
                 sampling.append((t, slot, c))
-        if entries[0]:
-            rows.pages[entries[0], entries[1]] = entries[2]
+        rows.flush()
         len_arr = np.array(lens, np.int64)
         start_arr = np.array(starts, np.int64)
+        ps = self.cfg.page_size
         token_ids = np.zeros(t_bucket, np.int32)
         token_ids[:t] = flat
         prev_row = np.full(t_bucket, -1, np.int32)

@@ -82,7 +82,7 @@ class Drafting:
             seq.num_computed_tokens -= slots - len(drafts)
             plan.num_tokens -= slots - len(drafts)
             plan.num_drafts -= slots - len(drafts)
-            plan.num_samples -= slots - len(drafts) if chunk.sample else 0
+            plan.num_samples -= slots - len(drafts)
 
     @staticmethod
     def grammar_cut(seq: "Sequence", drafts: list[int]) -> list[int]:

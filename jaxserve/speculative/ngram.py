@@ -65,9 +65,3 @@ class TokenHistory:
             else:
                 lo = at + 1
 
-
-def propose(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> np.ndarray:
-    """TokenHistory.propose over `tokens` (a sequence's whole context)."""
-    history = TokenHistory()
-    history.extend(list(tokens))
-    return history.propose(k, min_n, max_n)

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from jaxserve.speculative.config import SpeculativeConfig
-from jaxserve.speculative.ngram import propose
+from jaxserve.speculative.ngram import TokenHistory
+
+
+def propose(tokens: list[int], k: int, min_n: int, max_n: int) -> np.ndarray:
+    """TokenHistory.propose over a whole token list."""
+    history = TokenHistory()
+    history.extend(tokens)
+    return history.propose(k, min_n, max_n)
 
 
 def test_the_longest_recurring_suffix_proposes_what_followed_its_latest_occurrence():
@@ -66,8 +73,6 @@ def test_a_token_history_extended_step_by_step_proposes_what_a_window_search_fin
     searches them with bytes.rfind / find: proposals equal the sliding-window oracle's, including
     ids whose bytes also match across token boundaries (256 = 00 01 00 00, 65536, 2**24 + 1)."""
     import random
-
-    from jaxserve.speculative.ngram import TokenHistory
 
     rng = random.Random(0)
     alphabets = [[0, 1, 2, 3], [0, 1, 256, 65536, 2**24 + 1, 257, 151935]]
