@@ -37,19 +37,69 @@ _NORMS = {
 def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Transform]]:
     """A decoder layer's HF tensor names (after `model.layers.{i}.`) -> (LayerWeights field,
     transform from the stored array)."""
-    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     ident = lambda t: t  # noqa: E731
     transpose = lambda t: t.T  # noqa: E731
     layer = {f"{module}.weight": (field, ident) for module, field in _NORMS[cfg.norm_placement].items()}
+    if cfg.mla is not None:
+        layer.update(_latent_attention_tensors(cfg))
+    else:
+        layer.update(_kv_heads_attention_tensors(cfg))
     layer.update({
-        "self_attn.q_proj.weight": ("wq", _heads(hq, hd)),
-        "self_attn.k_proj.weight": ("wk", _heads(hkv, hd)),
-        "self_attn.v_proj.weight": ("wv", _heads(hkv, hd)),
-        "self_attn.o_proj.weight": ("wo", lambda t: t.T.reshape(hq, hd, t.shape[0])),
         "mlp.gate_proj.weight": ("w_gate", transpose),
         "mlp.up_proj.weight": ("w_up", transpose),
         "mlp.down_proj.weight": ("w_down", transpose),
     })
+    if cfg.mlp_bias:
+        layer["mlp.gate_proj.bias"] = ("b_gate", ident)
+        layer["mlp.up_proj.bias"] = ("b_up", ident)
+        layer["mlp.down_proj.bias"] = ("b_down", ident)
+    return layer
+
+
+def _rope_halves(rows: int, rope: int, interleaved: bool) -> np.ndarray:
+    """A permutation of `rows` output rows whose last `rope` are RoPE dims: DeepSeek's adjacent
+    pairs (x0, x1), (x2, x3) ... reordered as halves (x0, x2, ..., x1, x3, ...), the layout
+    rope.apply rotates; identity when the checkpoint is not interleaved."""
+    order = np.arange(rows)
+    if interleaved:
+        tail = order[rows - rope:]
+        order[rows - rope:] = np.concatenate([tail[0::2], tail[1::2]])
+    return order
+
+
+def _latent_attention_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Transform]]:
+    """DeepSeek-V3's MLA projections (kv_b_proj arrives split in two by `unfused`)."""
+    m, hq = cfg.mla, cfg.num_heads
+    per_head = _rope_halves(m.qk_head_dim, m.qk_rope_head_dim, m.rope_interleave)
+    q_rows = (np.arange(hq)[:, None] * m.qk_head_dim + per_head[None, :]).reshape(-1)
+    kv_rows = _rope_halves(m.latent_dim, m.qk_rope_head_dim, m.rope_interleave)
+    up = lambda width: lambda t: t.reshape(hq, width, m.kv_lora_rank).transpose(2, 0, 1)  # noqa: E731  [L, H, w]
+    tensors = {
+        "self_attn.kv_a_proj_with_mqa.weight": ("wkv_a", lambda t: t[kv_rows].T),
+        "self_attn.kv_a_layernorm.weight": ("kv_a_norm", lambda t: t),
+        "self_attn.kv_b_proj.k.weight": ("w_uk", up(m.qk_nope_head_dim)),
+        "self_attn.kv_b_proj.v.weight": ("w_uv", up(m.v_head_dim)),
+        "self_attn.o_proj.weight": ("wo", lambda t: t.T.reshape(hq, m.v_head_dim, t.shape[0])),
+    }
+    if m.q_lora_rank is None:
+        tensors["self_attn.q_proj.weight"] = ("wq", lambda t: _heads(hq, m.qk_head_dim)(t[q_rows]))
+    else:
+        tensors.update({"self_attn.q_a_proj.weight": ("wq_a", lambda t: t.T),
+                        "self_attn.q_a_layernorm.weight": ("q_a_norm", lambda t: t),
+                        "self_attn.q_b_proj.weight": ("wq", lambda t: _heads(hq, m.qk_head_dim)(t[q_rows]))})
+    return tensors
+
+
+def _kv_heads_attention_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Transform]]:
+    """Attention with per-head K and V projections."""
+    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ident = lambda t: t  # noqa: E731
+    layer = {
+        "self_attn.q_proj.weight": ("wq", _heads(hq, hd)),
+        "self_attn.k_proj.weight": ("wk", _heads(hkv, hd)),
+        "self_attn.v_proj.weight": ("wv", _heads(hkv, hd)),
+        "self_attn.o_proj.weight": ("wo", lambda t: t.T.reshape(hq, hd, t.shape[0])),
+    }
     if cfg.qkv_bias:
         layer["self_attn.q_proj.bias"] = ("bq", lambda t: t.reshape(hq, hd))
         layer["self_attn.k_proj.bias"] = ("bk", lambda t: t.reshape(hkv, hd))
@@ -64,10 +114,6 @@ def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Transform]]:
     elif cfg.qk_norm:
         layer["self_attn.q_norm.weight"] = ("q_norm", ident)
         layer["self_attn.k_norm.weight"] = ("k_norm", ident)
-    if cfg.mlp_bias:
-        layer["mlp.gate_proj.bias"] = ("b_gate", ident)
-        layer["mlp.up_proj.bias"] = ("b_up", ident)
-        layer["mlp.down_proj.bias"] = ("b_down", ident)
     return layer
 
 
@@ -76,6 +122,7 @@ def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Transform]]:
 _MOE_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), None),
               "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), None),
               "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "gate.e_score_correction_bias"),
+              "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"), "gate.e_score_correction_bias"),
               "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2"), "e_score_correction_bias")}
 
 
@@ -142,7 +189,7 @@ def name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Transform]]
 
 # families whose checkpoints carry multi-token-prediction layers after the decoder's (GLM-4.5's
 # num_nextn_predict_layers): served as the decoder alone, so their tensors are not read
-_MTP_LAYERS = ("glm4_moe",)
+_MTP_LAYERS = ("glm4_moe", "deepseek_v3")
 
 
 def is_mtp_layer(name: str, cfg: ModelConfig) -> bool:
@@ -171,6 +218,14 @@ def _fused_parts(cfg: ModelConfig) -> dict[str, tuple[int, int, list[Part]]]:
             parts[f"mlp.experts.gate_up_proj{s}"] = (1, width, [(f"mlp.experts.gate_proj{s}", lambda w: w[:, 0::2]),
                                                                 (f"mlp.experts.up_proj{s}", lambda w: w[:, 1::2])])
         return parts
+    if cfg.mla is not None:  # kv_b_proj [H * (Dn + Dv), L]: each head's K rows, then its V rows
+        m, hq = cfg.mla, cfg.num_heads
+        width = m.qk_nope_head_dim + m.v_head_dim
+        def rows(start: int, count: int) -> Callable[[np.ndarray], np.ndarray]:
+            return lambda whole: whole.reshape(hq, width, -1)[:, start:start + count].reshape(hq * count, -1)
+        return {"self_attn.kv_b_proj.weight": (0, hq * width, [
+            ("self_attn.kv_b_proj.k.weight", rows(0, m.qk_nope_head_dim)),
+            ("self_attn.kv_b_proj.v.weight", rows(m.qk_nope_head_dim, m.v_head_dim))])}
     if cfg.family != "phi3":
         return {}
     q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size

@@ -86,6 +86,22 @@ FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
                     tie_word_embeddings=False),
 }
 
+# Multi-head latent attention (issue 43): DeepSeek-V3 with a q LoRA, interleaved YaRN RoPE whose
+# mscale_all_dim scales the softmax, a dense first layer, then sigmoid-routed experts (2 of 4
+# groups kept) beside a shared expert; and one with a full q projection, plain RoPE in halves and
+# one expert group. 4 query heads read one latent row of 32 + 8.
+_MLA = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, pad_token_id=0,
+            tie_word_embeddings=False)
+MLA_VARIANTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(family="deepseek_v3", **_MLA, q_lora_rank=24, n_group=4, topk_group=2, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0}),
+    "deepseek_v3-full-q": dict(family="deepseek_v3", **_MLA, q_lora_rank=None, n_group=1, topk_group=1,
+                               rope_interleave=False),
+}
+
 _CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -101,8 +117,9 @@ _CLASSES = {
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
 }
-ALL_VARIANTS = {**VARIANTS, **MOE_VARIANTS, **FAMILY_VARIANTS}
+ALL_VARIANTS = {**VARIANTS, **MOE_VARIANTS, **FAMILY_VARIANTS, **MLA_VARIANTS}
 
 
 def make_hf_model(variant: str, directory: Path, seed: int = 0, **overrides: Any) -> tuple[Path, Any]:

@@ -115,11 +115,22 @@ def active_mlp_width(cfg: ModelConfig, layer: int) -> int:
     return cfg.moe.top_k * cfg.moe.intermediate_size + cfg.moe.shared_size
 
 
+def attention_weights_per_layer(cfg: ModelConfig) -> int:
+    """Weights of one layer's attention projections, each multiplied once per token (MLA: absorbed,
+    so the latent's up-projections count once per head, not once per cached token)."""
+    d, hq = cfg.hidden_size, cfg.num_heads
+    m = cfg.mla
+    if m is None:
+        return d * cfg.head_dim * (2 * hq + 2 * cfg.num_kv_heads)
+    q = d * hq * m.qk_head_dim if m.q_lora_rank is None else m.q_lora_rank * (d + hq * m.qk_head_dim)
+    return q + d * m.latent_dim + m.kv_lora_rank * hq * (m.qk_nope_head_dim + m.v_head_dim) + hq * m.v_head_dim * d
+
+
 def flops_per_token(cfg: ModelConfig) -> int:
     """Matmul FLOPs of one token through the layers (attention scores excluded: context-dependent;
     a mixture of experts counts the experts a token is routed to)."""
-    d, hd = cfg.hidden_size, cfg.head_dim
-    attn = d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    d = cfg.hidden_size
+    attn = attention_weights_per_layer(cfg)
     router = lambda i: d * cfg.moe.num_experts if _sparse(cfg, i) else 0  # noqa: E731
     return 2 * sum(attn + 3 * d * active_mlp_width(cfg, i) + router(i) for i in range(cfg.num_layers))
 
@@ -131,14 +142,14 @@ def flops_per_sampled_row(cfg: ModelConfig) -> int:
 
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int, model_axis: int = 1, kv_cache_dtype: str = "auto",
                        platform: str = "cpu") -> int:
-    """A page's bytes per token slot, on one device of `platform`: K and V of every pool array (every
-    layer of a uniform stack; a stack of several layer groups shares arrays between them,
-    kv_groups.py) at the head_dim the platform stores (kv_groups.pool_head_dim), KV heads split when
-    the axis divides them; 8-bit pages (`kv_cache_dtype`) count their scales."""
+    """A page's bytes per token slot, on one device of `platform`: K and V (MLA: the one latent row)
+    of every pool array (every layer of a uniform stack; a stack of several layer groups shares
+    arrays between them, kv_groups.py) at the head_dim the platform stores (kv_groups.pool_head_dim),
+    KV heads split when the axis divides them; 8-bit pages (`kv_cache_dtype`) count their scales."""
     heads = cfg.num_kv_heads // model_axis if cfg.num_kv_heads % model_axis == 0 else cfg.num_kv_heads
     arrays = cfg.kv_groups.num_arrays
     head_dim = pool_head_dim(cfg.head_dim, platform)
-    return 2 * arrays * heads * kv_quant.bytes_per_head_token(kv_cache_dtype, head_dim, itemsize)
+    return cfg.kv_arrays_per_layer * arrays * heads * kv_quant.bytes_per_head_token(kv_cache_dtype, head_dim, itemsize)
 
 
 def step_temp_bytes(cfg: ModelConfig, tokens: int, rows: int, itemsize: int, model_axis: int = 1) -> int:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from jaxserve.core import buckets
 from jaxserve.core.hf_families import parse_hf_config
 from jaxserve.core.kv_groups import KVGroups, kv_groups
-from jaxserve.core.layer_kinds import LayerKind, MoEConfig, RopeConfig
+from jaxserve.core.layer_kinds import LayerKind, MLAConfig, MoEConfig, RopeConfig
 from jaxserve.quant import kv as kv_quant
 from jaxserve.speculative.config import SpeculativeConfig
 
@@ -69,6 +69,9 @@ class ModelConfig:
     # The KV pool as one layer group whatever the windows (sliding layers then keep every page): a
     # draft model, whose steps read the target's first group's tables, is set so (kv_groups.py)
     single_kv_group: bool = False
+    # multi-head latent attention (layer_kinds.MLAConfig); then num_kv_heads is 1 and head_dim is
+    # the latent row's width: the pool holds one latent row per token, read as MQA's only K and V head
+    mla: MLAConfig | None = None
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -88,6 +91,15 @@ class ModelConfig:
         ropes = [k.rope for k in self.layers if k.rope is not None]
         return next((k.rope for k in self.layers if k.window is None and k.rope is not None),
                     ropes[0] if ropes else RopeConfig())
+
+    def rotary_dim(self, rope: RopeConfig) -> int:
+        """The dims of each head that `rope` rotates (MLA: its RoPE key's, apart from the latent)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else rope.rotary_dim(self.head_dim)
+
+    @property
+    def kv_arrays_per_layer(self) -> int:
+        """Pool arrays a layer writes per token: K and V, or MLA's one latent row (read as both)."""
+        return 1 if self.mla is not None else 2
 
     @property
     def scale(self) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxserve.core.layer_kinds import LayerKind, MoEConfig, RopeConfig
+from jaxserve.core.layer_kinds import LayerKind, MLAConfig, MoEConfig, RopeConfig, yarn_mscale
 
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                 "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
@@ -56,6 +56,7 @@ FAMILIES = {
     "glm4_moe": Family(o_bias=False),
     "minimax_m2": Family(qk_norm="projection"),
     "gpt_oss": Family(),
+    "deepseek_v3": Family(qkv_bias=False, o_bias=False),
 }
 # architecture name -> family
 SUPPORTED_ARCHITECTURES = {
@@ -74,6 +75,7 @@ SUPPORTED_ARCHITECTURES = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # and Kimi K2, which ships this architecture
 }
 _MODEL_TYPES = {"gemma3_text": "Gemma3ForCausalLM"}  # model_type -> architecture, where not the family name
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -204,7 +206,10 @@ def _parse_moe(cfg: dict, family: str, num_layers: int) -> MoEConfig | None:
         renormalize = bool(cfg.get("norm_topk_prob", False))
         step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
         layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-    elif family == "glm4_moe":
+    elif family in ("glm4_moe", "deepseek_v3"):  # DeepSeek's noaux_tc routing, which GLM-4.5 took over
+        for key, served in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"), ("moe_layer_freq", 1)):
+            if cfg.get(key, served) != served:
+                raise ValueError(f"config.json field '{key}' is {cfg[key]!r}; only {served!r} is served")
         experts, width = _positive_int(cfg, "n_routed_experts"), _positive_int(cfg, "moe_intermediate_size")
         renormalize = bool(cfg.get("norm_topk_prob", True))
         kinds = cfg.get("mlp_layer_types")  # newer configs: "dense" / "sparse" per layer
@@ -212,7 +217,8 @@ def _parse_moe(cfg: dict, family: str, num_layers: int) -> MoEConfig | None:
             raise ValueError(f"config.json field 'mlp_layer_types' must give 'dense' or 'sparse' for each of the "
                              f"{num_layers} layers, got {kinds!r}")
         layers = (tuple(k == "sparse" for k in kinds) if kinds is not None
-                  else tuple(i >= cfg.get("first_k_dense_replace", 1) for i in range(num_layers)))
+                  else tuple(i >= cfg.get("first_k_dense_replace", 3 if family == "deepseek_v3" else 1)
+                             for i in range(num_layers)))
         groups = cfg.get("n_group") or 1
         if experts % groups or experts // groups < 2:
             raise ValueError(f"config.json n_group {groups} must split the {experts} experts into groups of >= 2")
@@ -238,6 +244,26 @@ def _parse_moe(cfg: dict, family: str, num_layers: int) -> MoEConfig | None:
     if cfg.get("shared_expert_intermediate_size"):
         raise ValueError("config.json has a gated shared expert (shared_expert_intermediate_size); not supported")
     return MoEConfig(experts, top_k, width, renormalize, layers, **routing)
+
+
+def _parse_mla(cfg: dict) -> MLAConfig:
+    """DeepSeek-V3's latent attention fields (head_dim in its config.json is the RoPE key's width)."""
+    if cfg.get("attention_bias"):
+        raise ValueError("config.json field 'attention_bias' is true: biased latent-attention projections are not supported")
+    q_lora = cfg.get("q_lora_rank")
+    if q_lora is not None and (not isinstance(q_lora, int) or q_lora <= 0):
+        raise ValueError(f"config.json field 'q_lora_rank' must be a positive integer or null, got {q_lora!r}")
+    return MLAConfig(kv_lora_rank=_positive_int(cfg, "kv_lora_rank"), qk_nope_head_dim=_positive_int(cfg, "qk_nope_head_dim"),
+                     qk_rope_head_dim=_positive_int(cfg, "qk_rope_head_dim"), v_head_dim=_positive_int(cfg, "v_head_dim"),
+                     q_lora_rank=q_lora, rope_interleave=bool(cfg.get("rope_interleave", True)))
+
+
+def _mla_scale(mla: MLAConfig, rope: RopeConfig) -> float:
+    """The softmax scale: YaRN's mscale_all_dim scales the whole q.k (not only its rotated dims) by mscale^2."""
+    scale = mla.qk_head_dim ** -0.5
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    return scale
 
 
 def _architecture(cfg: dict) -> str:
@@ -292,9 +318,12 @@ def parse_hf_config(cfg: dict) -> dict[str, Any]:
     num_layers = _positive_int(cfg, "num_hidden_layers")
     num_heads = _positive_int(cfg, "num_attention_heads")
     num_kv = cfg.get("num_key_value_heads") or num_heads
+    mla = _parse_mla(cfg) if family_name == "deepseek_v3" else None
+    if mla is not None:  # one latent row per token, read by every head
+        num_kv = 1
     if num_heads % num_kv:
         raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv})")
-    head_dim = cfg.get("head_dim") or hidden // num_heads
+    head_dim = mla.latent_dim if mla is not None else cfg.get("head_dim") or hidden // num_heads
     max_pos = _positive_int(cfg, "max_position_embeddings")
     raw_dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     try:
@@ -315,6 +344,10 @@ def parse_hf_config(cfg: dict) -> dict[str, Any]:
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     gemma = family.gemma_scaling
+    layers = _layer_kinds(cfg, family_name, num_layers, max_pos)
+    scale = float(_require(cfg, "query_pre_attn_scalar")) ** -0.5 if gemma else None
+    if mla is not None:
+        scale = _mla_scale(mla, layers[0].rope)
     return dict(
         architecture=arch, family=family_name,
         vocab_size=_positive_int(cfg, "vocab_size"), hidden_size=hidden,
@@ -326,14 +359,15 @@ def parse_hf_config(cfg: dict) -> dict[str, Any]:
         o_bias=attention_bias if family.o_bias is None else family.o_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm="head" if family_name == "glm4_moe" and cfg.get("use_qk_norm") else family.qk_norm,
-        layers=_layer_kinds(cfg, family_name, num_layers, max_pos),
+        layers=layers,
         dtype=dtype_name,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, quantization=quantization,
         moe=moe,
         norm_placement=family.norm_placement, norm_style=family.norm_style, mlp_act=_ACTIVATIONS[act],
         embed_scale=float(hidden) ** 0.5 if gemma else None,
-        attention_scale=float(_require(cfg, "query_pre_attn_scalar")) ** -0.5 if gemma else None,
+        attention_scale=scale,
         attn_soft_cap=_soft_cap(cfg, "attn_logit_softcapping") if gemma else None,
         final_soft_cap=_soft_cap(cfg, "final_logit_softcapping") if gemma else None,
         attention_sinks=family_name == "gpt_oss",
+        mla=mla,
     )

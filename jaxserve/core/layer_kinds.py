@@ -5,6 +5,12 @@ Hugging Face config.json."""
 from __future__ import annotations
 
 import dataclasses
+import math
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by `factor`."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +61,31 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     expert_format: str = "dense"   # the experts' weights as held: "dense" or "mxfp4" (packed, quant/mxfp4.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): each token caches one latent row
+    [kv_lora_rank + qk_rope_head_dim] (the normalised compressed K/V, then the shared RoPE key)
+    read by every head. Queries come from a low-rank projection (q_lora_rank; None: one full
+    projection), each head's q is [qk_nope_head_dim + qk_rope_head_dim], its output v_head_dim."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    # the checkpoint rotates RoPE dims in adjacent pairs (DeepSeek's layout); the loader permutes
+    # those weight rows to the halves layout the model rotates (the dot products are unchanged)
+    rope_interleave: bool = True
+
+    @property
+    def latent_dim(self) -> int:
+        """One cached row: the latent, then the RoPE key (the pool's head_dim)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)

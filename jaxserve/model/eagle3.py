@@ -29,7 +29,8 @@ from jaxserve.core.config import VOCAB_PAD, ModelConfig
 from jaxserve.model import rope
 from jaxserve.model.matmul import einsum
 from jaxserve.model.param_spec import ParamSpec
-from jaxserve.model.transformer import Attend, mlp, qkv, rms_norm
+from jaxserve.model.norms import rms_norm
+from jaxserve.model.transformer import Attend, mlp, qkv
 from jaxserve.model.weights import LayerWeights
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")

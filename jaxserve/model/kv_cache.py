@@ -9,8 +9,11 @@ KV heads on the model axis (the runner duplicates KV heads up to a wider axis, m
 replicated when the axis does not divide them). Quantized pools (`--kv-cache-dtype`, quant/kv.py)
 store 8-bit values and per layer a K and a V scale array [num_pages, num_kv_heads, page_size]
 float32 (kernels_pallas/kv_quant.py), quantized here as they are written. A token's
-slot is `page * page_size + offset`. Padding tokens carry the out-of-bounds slot
-`num_pages * page_size` and every write uses `mode="drop"`, so padding never touches a real page.
+slot is `page * page_size + offset`. Multi-head latent attention (cfg.mla) stores one array per
+layer, a latent row [kv_lora_rank + rope] per token as its one KV head, which attention reads as
+both K and V (a LayerKV whose k is its v and whose v_scales are its k_scales). Padding tokens
+carry the out-of-bounds slot `num_pages * page_size` and every write uses `mode="drop"`, so
+padding never touches a real page.
 Pages are allocated and freed on the host (page_allocator.py); this file never decides which.
 """
 
@@ -62,17 +65,19 @@ class KVPages:
         return self.k[0].shape[1]
 
     def layers(self) -> list[LayerKV]:
-        v = self.v or self.k  # fused: one array is both
+        v = self.v or self.k  # fused or latent: one array is both
         if self.k_scales is None:
             return [LayerKV(k, v) for k, v in zip(self.k, v)]
-        return [LayerKV(*parts) for parts in zip(self.k, v, self.k_scales, self.v_scales)]
+        return [LayerKV(*parts) for parts in zip(self.k, v, self.k_scales, self.v_scales or self.k_scales)]
 
     @classmethod
     def from_layers(cls, layers: list[LayerKV]) -> "KVPages":
-        quantized = layers[0].k_scales is not None
-        return cls(k=[layer.k for layer in layers], v=[] if layers[0].fused else [layer.v for layer in layers],
+        first = layers[0]
+        quantized = first.k_scales is not None
+        return cls(k=[layer.k for layer in layers], v=[] if first.fused else [layer.v for layer in layers],
                    k_scales=[layer.k_scales for layer in layers] if quantized else None,
-                   v_scales=[layer.v_scales for layer in layers] if quantized else None)
+                   v_scales=([] if first.v_scales is first.k_scales else [layer.v_scales for layer in layers])
+                   if quantized else None)
 
 
 def _sharding(cfg: ModelConfig, placement: sharding.Placement, axes: tuple[str, ...]) -> NamedSharding:
@@ -88,18 +93,19 @@ def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, place
     """The pool's declaration: ShapeDtypeStructs placed by `placement`; `dtype` is the storage dtype
     (8-bit: with scales). Allocation, the programs' lowering and the memory plans all read it."""
     platform = placement.mesh.devices.flat[0].platform
-    fused = fused_kv(cfg.head_dim, platform)
+    fused = cfg.mla is None and fused_kv(cfg.head_dim, platform)
     width = 2 * cfg.head_dim if fused else pool_head_dim(cfg.head_dim, platform)
     arrays = cfg.kv_groups.num_arrays
-    # one object per leaf: a LayerKV whose k is its v is a fused one
+    one_array = fused or cfg.mla is not None
+    # one object per leaf: a LayerKV whose k is its v is a fused or a latent one
     k, v = ([jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, width), jnp.dtype(dtype),
                                   sharding=kv_sharding(cfg, placement)) for _ in range(n)]
-            for n in (arrays, 0 if fused else arrays))
+            for n in (arrays, 0 if one_array else arrays))
     if not is_quantized(dtype):
         return KVPages(k=k, v=v)
     scale = jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size), SCALE_DTYPE,
                                  sharding=_sharding(cfg, placement, SCALE_AXES))
-    return KVPages(k=k, v=v, k_scales=[scale] * arrays, v_scales=[scale] * arrays)
+    return KVPages(k=k, v=v, k_scales=[scale] * arrays, v_scales=[] if cfg.mla is not None else [scale] * arrays)
 
 
 def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, placement: sharding.Placement) -> KVPages:
@@ -107,9 +113,10 @@ def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, place
     return sharding.zeros(abstract(cfg, num_pages, page_size, dtype, placement))
 
 
-def write(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> LayerKV:
+def write(layer: LayerKV, k: jax.Array, v: jax.Array | None, slot_mapping: jax.Array) -> LayerKV:
     """k, v: [T, Hkv, hd] new entries (zero-padded to the pool's head_dim, or put side by side in a
-    fused array: kv_groups.fused_kv); slot_mapping: [T] int32 (out of bounds = padding, dropped)."""
+    fused array: kv_groups.fused_kv); v None: k is an MLA latent row, the array's only content;
+    slot_mapping: [T] int32 (out of bounds = padding, dropped)."""
     p, ps, h, width = layer.k.shape
     page, offset = slot_mapping // ps, slot_mapping % ps  # padding: page p -> dropped
 
@@ -123,7 +130,11 @@ def write(layer: LayerKV, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -
     def put(pages: jax.Array, values: jax.Array) -> jax.Array:
         return pages.reshape(p * ps, h, width).at[slot_mapping].set(values, mode="drop").reshape(p, ps, h, width)
 
-    (k, k_scales), (v, v_scales) = encode(k, layer.k_scales), encode(v, layer.v_scales)
+    k, k_scales = encode(k, layer.k_scales)
+    if v is None:
+        pages = put(layer.k, pad_lanes(k, width))
+        return LayerKV(pages, pages, k_scales, k_scales)
+    v, v_scales = encode(v, layer.v_scales)
     if layer.fused:
         pages = put(layer.k, jnp.concatenate([k, v], axis=-1))
         return LayerKV(pages, pages, k_scales, v_scales)

@@ -61,13 +61,14 @@ def paged_attend(cfg: ModelConfig, arrays: Any, attention_fn: Callable[..., jax.
     def attend(i, q, k, v, _cache, sinks=None):
         a = groups.layer_array[i]
         page_tables, slot_mapping = tables[groups.layer_group[i]]
-        layer_kv = kv_cache.write(pool[a], k, v, slot_mapping)
+        latent = cfg.mla is not None  # k is the latent row, and attention reads it as V too
+        layer_kv = kv_cache.write(pool[a], k, None if latent else v, slot_mapping)
         pool[a] = layer_kv
         # a TPU pool's heads may be wider than q's (kv_groups.pool_head_dim: zero lanes) or hold K
         # and V side by side (fused_kv): q, zero in the rest, reads only K; the output's lanes
         # that p @ v filled are the V lanes
         head_dim = q.shape[-1]
-        lanes = slice(head_dim, 2 * head_dim) if layer_kv.fused else slice(0, head_dim)
+        lanes = slice(head_dim, 2 * head_dim) if layer_kv.fused and not latent else slice(0, head_dim)
         out = attention_fn(kv_cache.pad_lanes(q, layer_kv.k.shape[-1]), layer_kv.k, layer_kv.v, arrays.seq_lens,
                            arrays.cu_q_lens, page_tables, arrays.num_seqs, sm_scale=cfg.scale,
                            sliding_window=cfg.layer_windows[i], soft_cap=cfg.attn_soft_cap,

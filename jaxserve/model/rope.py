@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.config import ModelConfig
-from jaxserve.core.layer_kinds import RopeConfig
+from jaxserve.core.layer_kinds import RopeConfig, yarn_mscale
 
 
 def _base_exponents(dim: int) -> np.ndarray:
@@ -41,10 +41,7 @@ def _llama3_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
 
 def _yarn(rope: RopeConfig, dim: int) -> tuple[np.ndarray, float]:
     factor = rope.factor
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
+    mscale = yarn_mscale
     if rope.attention_factor is not None:
         attention = float(rope.attention_factor)
     elif rope.mscale and rope.mscale_all_dim:
@@ -100,7 +97,7 @@ def cos_sin(cfg: ModelConfig, positions: jax.Array, seq_lens: jax.Array | None =
     rope type reads it (transformers recomputes the base from it at every forward).
     """
     rope = cfg.rope if rope is None else rope
-    dim = rope.rotary_dim(cfg.head_dim)
+    dim = cfg.rotary_dim(rope)
     if rope.rope_type == "dynamic":
         if seq_lens is None:
             raise ValueError("dynamic RoPE needs the sequence length of every token")

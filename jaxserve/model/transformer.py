@@ -2,10 +2,11 @@
 
 `forward` owns everything but attention over the cache: embeddings (scaled for Gemma), RMSNorm
 where the family puts it (before each block, around it, or after it), q/k/v projections (with
-Qwen2 biases and q/k norms), each layer's RoPE (its own base, partial, or none: cfg.layers), the
-gated MLP (or a sparse MoE block: model/moe.py), the lm_head and its soft-cap. Attention is a
-callable `attend(layer, q, k, v, cache) -> (out, cache)` so the same body serves the dense parity
-path (`model/dense.py`) and the ragged paged step (`model/paged.py`). Token axes are leading
+Qwen2 biases and q/k norms; DeepSeek's latent attention instead: model/mla.py), each layer's RoPE
+(its own base, partial, or none: cfg.layers), the gated MLP (or a sparse MoE block:
+model/moe.py), the lm_head and its soft-cap. Attention is a callable
+`attend(layer, q, k, v, cache) -> (out, cache)` so the same body serves the dense parity path
+(`model/dense.py`) and the ragged paged step (`model/paged.py`). Token axes are leading
 `...` axes: `[T]` for the ragged step, `[B, S]` for the dense path.
 """
 
@@ -18,27 +19,15 @@ import jax.numpy as jnp
 
 from jaxserve.core.config import ModelConfig
 from jaxserve.model import lora as lora_apply
-from jaxserve.model import rope
+from jaxserve.model import mla, rope
 from jaxserve.model.matmul import einsum
 from jaxserve.model.moe import moe_mlp
+from jaxserve.model.norms import rms_norm
 from jaxserve.model.weights import LayerWeights, Weights
 
 # attend(layer_index, q [..., Hq, hd], k [..., Hkv, hd], v [..., Hkv, hd], cache, sinks=[Hq] | None)
 #   -> (out [..., Hq, hd], cache)
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, style: str = "llama", axes: int = 1) -> jax.Array:
-    """RMSNorm over the last `axes` axes, computed in float32. style (ModelConfig.norm_style):
-    "llama" casts back before the weight (transformers' Llama order), "float32" applies the weight
-    in float32 then casts, "gemma" multiplies by (1 + weight) in float32 then casts."""
-    x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32 * x32, axis=tuple(range(-axes, 0)), keepdims=True)
-    x32 = x32 * jax.lax.rsqrt(mean + eps)
-    if style == "llama":
-        return weight * x32.astype(x.dtype)
-    w32 = weight.astype(jnp.float32)
-    return (x32 * (1.0 + w32 if style == "gemma" else w32)).astype(x.dtype)
 
 
 def norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, axes: int = 1) -> jax.Array:
@@ -116,11 +105,15 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
             aux.append(x)
         lo = None if lora is None else (lora.layers[i], lora.one_hot)
         h = norm(cfg, x, layer.attn_norm) if pre else x
-        q, k, v = qkv(layer, h, rotary.get(cfg.layers[i].rope), cfg, lo)
-        out, cache = attend(i, q, k, v, caches[i], sinks=layer.sinks)
+        if cfg.mla is not None:  # the latent is this attention's only K and V head (model/mla.py)
+            h, cache = mla.attention(layer, h, rotary[cfg.layers[i].rope], cfg,
+                                     lambda q, latent: attend(i, q, latent, latent, caches[i]))
+        else:
+            q, k, v = qkv(layer, h, rotary.get(cfg.layers[i].rope), cfg, lo)
+            out, cache = attend(i, q, k, v, caches[i], sinks=layer.sinks)
+            out = out.astype(x.dtype)
+            h = lora_apply.add(_add(einsum("...hk,hkd->...d", out, layer.wo), layer.bo), "o_proj", out, lo)
         new_caches.append(cache)
-        out = out.astype(x.dtype)
-        h = lora_apply.add(_add(einsum("...hk,hkd->...d", out, layer.wo), layer.bo), "o_proj", out, lo)
         x = x + (norm(cfg, h, layer.post_attn_norm) if post else h)
         h = norm(cfg, x, layer.mlp_norm) if pre else x
         h = mlp(layer, h, lo, cfg.mlp_act) if layer.router is None else (moe_fn or moe_mlp)(layer, h, cfg.moe)

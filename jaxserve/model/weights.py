@@ -68,6 +68,14 @@ class LayerWeights:
     ws_gate: Any = None     # [D, Fs]  the shared expert (MoEConfig.shared_size)
     ws_up: Any = None       # [D, Fs]
     ws_down: Any = None     # [Fs, D]
+    # multi-head latent attention (cfg.mla): wq is then q_b_proj [Rq, Hq, Dqk] after wq_a (or
+    # q_proj [D, Hq, Dqk] without a q LoRA), wo [Hq, Dv, D]; wk, wv are None
+    wq_a: Any = None        # [D, Rq]     q's down-projection (q_lora_rank)
+    q_a_norm: Any = None    # [Rq]
+    wkv_a: Any = None       # [D, L + R]  the latent and the RoPE key (kv_a_proj_with_mqa)
+    kv_a_norm: Any = None   # [L]
+    w_uk: Any = None        # [L, Hq, Dn] the latent's up-projection to each head's K (absorbed into q)
+    w_uv: Any = None        # [L, Hq, Dv] ... and to each head's V (applied to the attention's output)
 
 
 @struct.dataclass
@@ -97,9 +105,9 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
     hq, hkv, vp = cfg.num_heads, cfg.num_kv_heads, padded_vocab(cfg)
 
     quant = cfg.quantization
-    if quant is not None and cfg.moe is not None:
-        raise ValueError("quantized weights of a mixture-of-experts model are not supported yet; serve it "
-                         "unquantized")
+    if quant is not None and (cfg.moe is not None or cfg.mla is not None):
+        raise ValueError(f"quantized weights of a {'latent-attention' if cfg.mla else 'mixture-of-experts'} model "
+                         "are not supported yet; serve it unquantized")
 
     def p(shape, axes, init="normal"):
         return ParamSpec(tuple(shape), dtype, tuple(axes), init)
@@ -157,7 +165,23 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
                           ws_down=p([fs, d], ["mlp", "embed"]))
         return leaves
 
+    def latent_attention() -> dict[str, ParamSpec | None]:
+        m = cfg.mla
+        heads = lambda width, first: p([first, hq, width], [None if first != d else "embed", "q_heads", None])  # noqa: E731
+        q = (dict(wq=heads(m.qk_head_dim, d)) if m.q_lora_rank is None else
+             dict(wq_a=p([d, m.q_lora_rank], ["embed", None]), q_a_norm=p([m.q_lora_rank], [None], unit),
+                  wq=heads(m.qk_head_dim, m.q_lora_rank)))
+        return dict(q, wk=None, wv=None, wkv_a=p([d, m.latent_dim], ["embed", None]),
+                    kv_a_norm=p([m.kv_lora_rank], [None], unit), w_uk=heads(m.qk_nope_head_dim, m.kv_lora_rank),
+                    w_uv=heads(m.v_head_dim, m.kv_lora_rank), wo=p([hq, m.v_head_dim, d], ["q_heads", None, "embed"]))
+
     def dense() -> LayerWeights:
+        """A layer with a dense MLP: its attention per-head K/V projections, or latent attention."""
+        if cfg.mla is not None:
+            return dataclasses.replace(kv_heads_layer(), **latent_attention())
+        return kv_heads_layer()
+
+    def kv_heads_layer() -> LayerWeights:
         return LayerWeights(
             attn_norm=p([d], ["embed"], unit) if pre else None,
             wq=proj([d, hq, hd], ["embed", "q_heads", "head_dim"], [0], "q_proj"),

@@ -107,7 +107,9 @@ def _attention_flops(cfg: ModelConfig, q_tokens: int, context: int) -> float:
     """QK^T and PV of q_tokens queries over `context` keys, all layers (a sliding one over its
     window at most; per replica)."""
     keys = sum(min(context, w or context) for w in cfg.layer_windows)
-    return 4.0 * q_tokens * keys * cfg.head_dim * cfg.num_heads
+    # q.k over head_dim lanes and p.v over the value lanes (MLA absorbed: the latent row, and its latent part)
+    v_width = cfg.head_dim if cfg.mla is None else cfg.mla.kv_lora_rank
+    return 2.0 * q_tokens * keys * (cfg.head_dim + v_width) * cfg.num_heads
 
 
 def _machine(target: Target, mesh: jax.sharding.Mesh, weight_bytes: int) -> MachineInfo:

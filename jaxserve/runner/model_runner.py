@@ -89,8 +89,9 @@ class ModelRunner:
         if draft is not None and eagle is None:
             check_compatible(model_cfg, draft[0])
             draft = duplicate_kv_heads(*draft, mesh)
-        if engine_cfg.enable_lora and model_cfg.moe is not None:
-            raise ValueError("--enable-lora: LoRA adapters on a mixture-of-experts model are not supported yet")
+        if engine_cfg.enable_lora and (model_cfg.moe is not None or model_cfg.mla is not None):
+            kind = "latent-attention" if model_cfg.mla is not None else "mixture-of-experts"
+            raise ValueError(f"--enable-lora: LoRA adapters on a {kind} model are not supported yet")
         lora_bytes = sharding.bytes_per_device(abstract_lora(model_cfg, engine_cfg, self.dtype, placement))
         self.capacity = plan_capacity(engine_cfg, model_cfg, machine, self.dtype.itemsize,
                                       mesh.shape[sharding.MODEL_AXIS],

@@ -126,6 +126,12 @@ def test_engine_greedy_with_preemption_and_a_prefix_hit_equals_generate(family):
     cfg, weights = load_model(path, make_mesh(1, 1))
     groups = cfg.kv_groups
     pages = 20 * (None in groups.windows) + 11 * sum(w is not None for w in groups.windows)
+    check_preemption_and_prefix_hit(cfg, weights, model, pages)
+
+
+def check_preemption_and_prefix_hit(cfg, weights, model, pages: int) -> None:
+    """PROMPTS through an engine of `pages` pages of 4 tokens that must preempt, then the long one
+    again from the prefix cache: every output transformers' greedy one, no compilation."""
     core = make_core(cfg, weights, num_kv_pages=pages, max_model_len=64)
     got = run_all(core, [Request(f"r{i}", p, greedy(12)) for i, p in enumerate(PROMPTS)])
     expected = [_hf_generate(model, [p], 12)[0] for p in PROMPTS]

@@ -1,17 +1,20 @@
 """The 2026 families compile for targets this machine does not have, from shapes alone: gpt-oss
 (attention sinks in the Mosaic / Triton kernels, MXFP4 experts dequantized in the step, biased
-clamped-SwiGLU experts) and Gemma 2 (soft-capped, alternately windowed attention) on a v6e-4 and
-on two H100s with the experts' width and the heads split four / two ways. Small widths, the real
+clamped-SwiGLU experts), Gemma 2 (soft-capped, alternately windowed attention) and DeepSeek-V3
+(latent attention at its real head shapes) on a v6e-4 and on two H100s with the experts' width and the heads split four / two ways. Small widths, the real
 structure: a top-4 of 8 routing at a 256-token step is where tokamax's Mosaic ragged-dot kernel
 is chosen, which XLA cannot partition (the experts run shard-mapped: expert_parallel.make_tensor_parallel)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from jaxserve.core.buckets import Program
 from jaxserve.core.config import EngineConfig, ModelConfig
 from jaxserve.model.attention import make_attention
+from jaxserve.parallel.kv_heads import duplicated_config, kv_duplication
 from jaxserve.parallel.layouts import make_layout
 from jaxserve.parallel.sharding import Placement, make_mesh
 from jaxserve.planning.targets import parse_target
@@ -31,17 +34,27 @@ CONFIGS = {
                "sliding_window": 128, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
 }
+# DeepSeek-V3's attention at its real per-device shapes (128 heads over 8 devices: 16 here over 4), its
+# latent row of 512 + 64, noaux_tc experts in small widths
+CONFIGS["deepseek_v3"] = {**_BASE, "architectures": ["DeepseekV3ForCausalLM"], "num_attention_heads": 64,
+                          "num_key_value_heads": 64, "kv_lora_rank": 512, "q_lora_rank": 128, "qk_rope_head_dim": 64,
+                          "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 8, "num_experts_per_tok": 4,
+                          "n_group": 2, "topk_group": 1, "moe_intermediate_size": 128, "n_shared_experts": 1,
+                          "first_k_dense_replace": 1, "rope_scaling": {
+                              "type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
+                              "beta_slow": 1, "original_max_position_embeddings": 4096}}
 ENGINE = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, num_kv_pages=64)
 
 
-def _compiled_forward(family: str, target: str, tp: int) -> str:
-    cfg = ModelConfig.from_hf(CONFIGS[family])
+def _compiled_forward(family: str, target: str, tp: int, engine: EngineConfig = ENGINE) -> str:
     devices = parse_target(target).devices()
     layout = make_layout("tp", len(devices), tp)
     mesh = make_mesh(1, layout.tp, devices)
     placement = Placement(mesh, layout.rules)
+    cfg = ModelConfig.from_hf(CONFIGS[family])
+    cfg = duplicated_config(cfg, kv_duplication(cfg, layout.tp, layout.rules))  # as the runner places it
     program = Program("forward", tokens=256, rows=8)
-    return lower_program(program, cfg, ENGINE, placement, "bfloat16", make_attention("auto", cfg, placement)
+    return lower_program(program, cfg, engine, placement, "bfloat16", make_attention("auto", cfg, placement)
                          ).compile().as_text()
 
 
@@ -53,6 +66,8 @@ def test_forward_compiles_for_a_v6e_4_with_its_kernels(family):
     # attention per layer; gpt-oss: the experts' three grouped matmuls per layer too
     assert kernels >= (4 if family == "gpt_oss" else 1) * 2, kernels
     assert "all-reduce" in text
+    if family == "deepseek_v3":  # one latent row per device (duplicated), read by the Mosaic kernel
+        assert "bf16[64,16,1,576]" in text and "ragged_paged_attention_tpu" in text
 
 
 @pytest.mark.gpu_compile
@@ -60,6 +75,17 @@ def test_forward_compiles_for_a_v6e_4_with_its_kernels(family):
 def test_gpt_oss_forward_compiles_for_two_h100s():
     text = _compiled_forward("gpt_oss", "gpu-h100:1x1x2", 2)
     assert "__gpu$xla.gpu.triton" in text or "triton" in text.lower()
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@in_own_process
+def test_deepseek_v3_latent_attention_compiles_for_two_h100s(kv_cache_dtype):
+    """32 heads per device over one duplicated latent row of 576 (bf16 or fp8 pages), the Triton kernel
+    shard-mapped over the heads."""
+    text = _compiled_forward("deepseek_v3", "gpu-h100:1x1x2", 2, dataclasses.replace(ENGINE, kv_cache_dtype=kv_cache_dtype))
+    assert "triton" in text.lower()
+    assert f"{'f8e4m3fn' if kv_cache_dtype == 'fp8' else 'bf16'}[64,16,1,576]" in text
 
 
 @pytest.mark.parametrize("tokens", [16, 256])
