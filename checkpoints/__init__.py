@@ -61,3 +61,19 @@ def load_model(name_or_path: str | Path, mesh: Mesh, dtype: Any = jnp.float32,
 
 
 __all__ = ["LOAD_FORMATS", "load_model", "load_weights", "random_weights", "resolve_model_dir", "orbax_io"]
+
+
+def load_proposer(spec: Any, target: ModelConfig, mesh: Mesh, dtype: Any = jnp.float32,
+                  quantization: str | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES) -> tuple[Any, Any]:
+    """The (config, weights) of a speculative proposer that runs on the device (`spec`: a
+    SpeculativeConfig whose method is draft_model, eagle3 or mtp), placed as the target is."""
+    if spec.method == "draft_model":
+        return load_model(spec.model, mesh, dtype, quantization, rules)
+    if spec.method == "eagle3":
+        from checkpoints.eagle3 import load_eagle3
+        return load_eagle3(spec.model, target, mesh, dtype, rules)
+    if spec.model is None:
+        raise ValueError("--speculative-config method 'mtp' reads the MTP layer from the served checkpoint: "
+                         "give the engine its directory as the config's \"model\" (serve and LLM do)")
+    from checkpoints.mtp import load_mtp
+    return load_mtp(spec.model, target, mesh, dtype, rules)

@@ -55,3 +55,16 @@ def run_events(core: EngineCore, request: Request) -> list[Any]:
     while core.has_work():
         events.extend(e for e in core.step() if e.token_id is not None)
     return events
+
+
+def record_proposals(core: EngineCore) -> list[tuple[str, int, list[int]]]:
+    """Wraps the runner's propose: (seq_id, start_pos, drafts) of every proposal made from now on."""
+    seen, propose = [], core.runner.propose
+
+    def wrapped(plan, prev_plan):
+        out = propose(plan, prev_plan)
+        seen.extend((c.seq_id, c.start_pos, list(d)) for c, d in zip([c for c in plan.chunks if c.draft_token_ids], out))
+        return out
+
+    core.runner.propose = wrapped
+    return seen

@@ -130,7 +130,7 @@ def _eagle3_programs(devices, tp: int, kernel: str) -> None:
     `devices` with TP=`tp`, each with the attention kernel (`kernel` in the HLO)."""
     import dataclasses
 
-    from jaxserve.runner.proposers.eagle3 import lower_eagle
+    from jaxserve.runner.proposers.hidden_heads import lower_head
     from jaxserve.model.eagle3 import Eagle3Config
 
     cfg = ModelConfig.from_hf({**FAMILIES["qwen3"], "num_hidden_layers": 4})
@@ -150,7 +150,7 @@ def _eagle3_programs(devices, tp: int, kernel: str) -> None:
         lowered = lower_program(program, cfg, engine, placement, "bfloat16", attention, aux_layers=head.aux_layers)
         assert kernel in lowered.compile().as_text(), program.name
         for combine in (True, False):
-            compiled = lower_eagle(program, head, cfg, engine, placement, "bfloat16", head_attention,
+            compiled = lower_head(program, head, cfg, engine, placement, "bfloat16", head_attention,
                                    combine=combine).compile()
             assert kernel in compiled.as_text(), (program.name, combine)
 

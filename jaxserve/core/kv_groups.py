@@ -110,9 +110,8 @@ def sequences_held(windows: tuple[int | None, ...], num_pages: int, num_tokens: 
 def kept_windows(windows: tuple[int | None, ...], speculative_config: Any = None) -> tuple[int | None, ...]:
     """The windows the allocator releases pages behind, per group: the model's, except that a
     proposer running its own layers over the target's first group's tables (a draft model, an
-    EAGLE-3 head: full attention) needs that group to keep every page."""
-    method = getattr(speculative_config, "method", None)
-    if method in ("draft_model", "eagle3") and windows[0] is not None:
+    EAGLE-3 or MTP head: full attention) needs that group to keep every page."""
+    if getattr(speculative_config, "model_proposer", False) and windows[0] is not None:
         return (None, *windows[1:])
     return windows
 

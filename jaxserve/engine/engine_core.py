@@ -64,19 +64,16 @@ class _InFlight:
 class EngineCore:
     def __init__(self, model_cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh,
                  dtype: Any = jnp.float32, draft: tuple[ModelConfig, Weights] | None = None) -> None:
-        """draft: the proposer's (config, weights) for speculative method draft_model (a model) or
-        eagle3 (an EAGLE-3 head); loaded from the config's model directory when not given."""
+        """draft: the proposer's (config, weights) for speculative method draft_model (a model),
+        eagle3 (an EAGLE-3 head) or mtp (the checkpoint's MTP layer); loaded from the config's
+        model directory when not given."""
         self.model_cfg = model_cfg
         spec = engine_cfg.speculative_config
         rules = layout_rules(engine_cfg.layout, model_cfg)  # the proposer is placed as the target is
-        if spec is not None and spec.method == "draft_model" and draft is None:
-            from checkpoints import load_model
+        if spec is not None and spec.model_proposer and draft is None:
+            from checkpoints import load_proposer
 
-            draft = load_model(spec.model, mesh, dtype, engine_cfg.quantization, rules)
-        elif spec is not None and spec.method == "eagle3" and draft is None:
-            from checkpoints.eagle3 import load_eagle3
-
-            draft = load_eagle3(spec.model, model_cfg, mesh, dtype, rules)
+            draft = load_proposer(spec, model_cfg, mesh, dtype, engine_cfg.quantization, rules)
         self.runner = ModelRunner(model_cfg, weights, engine_cfg, mesh, dtype, draft)
         self.engine_cfg = engine_cfg = self.runner.engine_cfg  # every size resolved
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
@@ -108,7 +105,8 @@ class EngineCore:
         self._spec_logged = (time.monotonic(), spec.copy()) if spec is not None else None
         if (sc := engine_cfg.speculative_config) is not None:
             source = {"ngram": f"n-gram {sc.prompt_lookup_min}..{sc.prompt_lookup_max}",
-                      "draft_model": f"draft model {sc.model}", "eagle3": f"EAGLE-3 head {sc.model}"}[sc.method]
+                      "draft_model": f"draft model {sc.model}", "eagle3": f"EAGLE-3 head {sc.model}",
+                      "mtp": f"the MTP layer of {sc.model}"}[sc.method]
             limit = "" if sc.disable_by_batch_size is None else f", off above {sc.disable_by_batch_size} running"
             logger.info("speculative decoding: up to %d draft tokens per decode (%s)%s; steps run synchronously "
                         "while it is on", sc.num_speculative_tokens, source, limit)

@@ -5,6 +5,7 @@ cache, the engine, its tokenizer, then the warm-up)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import sys
@@ -109,6 +110,11 @@ def _build(model: str | Path | None, engine_cfg: EngineConfig, tokenizer: Tokeni
     elif spec is not None and spec.method == "eagle3":  # fails before the target loads
         from checkpoints.eagle3 import read_config
         read_config(spec.model, ModelConfig.from_hf(model_dir))
+    elif spec is not None and spec.method == "mtp":  # the served checkpoint holds the layer
+        from jaxserve.model.mtp import MtpConfig
+        MtpConfig.of(ModelConfig.from_hf(model_dir))
+        if spec.model is None:
+            engine_cfg = dataclasses.replace(engine_cfg, speculative_config=dataclasses.replace(spec, model=str(model_dir)))
     tokenizer_load: Future[Tokenizer] = Future()
     if tokenizer is not None:
         tokenizer_load.set_result(tokenizer)

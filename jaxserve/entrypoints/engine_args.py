@@ -131,7 +131,9 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = True) -> None:
                    'the sequence\'s own earlier tokens) or \'{"method": "draft_model", "model": DIR, '
                    '"num_speculative_tokens": 4}\' (a smaller model with the same tokenizer proposes) or '
                    '\'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 4}\' (an EAGLE-3 head trained '
-                   'for the model, in the Hugging Face layout, reads its hidden states); drafts are verified '
+                   'for the model, in the Hugging Face layout, reads its hidden states) or \'{"method": "mtp", '
+                   '"num_speculative_tokens": 2}\' (the multi-token-prediction layer a DeepSeek-V3 or GLM-4.5 '
+                   'checkpoint ships); drafts are verified '
                    'losslessly in the step; optional "disable_by_batch_size": N turns it off while more than N '
                    'sequences are running or waiting (default: off)')
     if not serving:

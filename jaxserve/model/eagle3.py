@@ -167,8 +167,9 @@ def forward(w: Eagle3Weights, cfg: Eagle3Config, embed: jax.Array, tokens: jax.A
     return jnp.take(h, rows, axis=0), cache
 
 
-def draft_ids(w: Eagle3Weights, cfg: Eagle3Config, out: jax.Array) -> jax.Array:
-    """Pre-norm outputs [R, D] -> the greedy drafts as target ids [R] int32 (through d2t)."""
+def draft_ids(w: Eagle3Weights, cfg: Eagle3Config, out: jax.Array, target: Any = None) -> jax.Array:
+    """Pre-norm outputs [R, D] -> the greedy drafts as target ids [R] int32 (through d2t; the head
+    has its own lm_head: `target`, the target's weights, is not read)."""
     logits = einsum("...d,dv->...v", rms_norm(out, w.final_norm, cfg.layer.rms_norm_eps), w.lm_head,
                     preferred_element_type=jnp.float32)[:, :cfg.draft_vocab_size]
     return w.d2t[jnp.argmax(logits, axis=-1).astype(jnp.int32)]

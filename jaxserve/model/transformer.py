@@ -75,14 +75,44 @@ def lm_head(weights: Weights, x: jax.Array) -> jax.Array:
     return einsum("...d,dv->...v", x, weights.lm_head, preferred_element_type=jnp.float32)
 
 
+def rotary_tables(cfg: ModelConfig, positions: jax.Array, seq_lens: jax.Array | None = None
+                  ) -> dict[Any, tuple[jax.Array, jax.Array]]:
+    """RopeConfig -> (cos, sin) for every RoPE of the stack: layers that share a RoPE share its
+    tables (made in layer order, not set order: the traced program must not depend on the
+    process's hash seed)."""
+    return {kind: rope.cos_sin(cfg, positions, seq_lens, kind)
+            for kind in dict.fromkeys(k.rope for k in cfg.layers if k.rope is not None)}
+
+
+def decoder_layer(cfg: ModelConfig, i: int, layer: LayerWeights, x: jax.Array,
+                  rotary: dict[Any, tuple[jax.Array, jax.Array]], attend: Attend, cache: Any, lora: Any = None,
+                  moe_fn: Callable[..., jax.Array] | None = None) -> tuple[jax.Array, Any]:
+    """Layer i of the stack: x [..., D] -> (x after its attention and MLP blocks, its cache)."""
+    pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
+    h = norm(cfg, x, layer.attn_norm) if pre else x
+    if cfg.mla is not None:  # the latent is this attention's only K and V head (model/mla.py)
+        h, cache = mla.attention(layer, h, rotary[cfg.layers[i].rope], cfg,
+                                 lambda q, latent: attend(i, q, latent, latent, cache))
+    else:
+        q, k, v = qkv(layer, h, rotary.get(cfg.layers[i].rope), cfg, lora)
+        out, cache = attend(i, q, k, v, cache, sinks=layer.sinks)
+        out = out.astype(x.dtype)
+        h = lora_apply.add(_add(einsum("...hk,hkd->...d", out, layer.wo), layer.bo), "o_proj", out, lora)
+    x = x + (norm(cfg, h, layer.post_attn_norm) if post else h)
+    h = norm(cfg, x, layer.mlp_norm) if pre else x
+    h = mlp(layer, h, lora, cfg.mlp_act) if layer.router is None else (moe_fn or moe_mlp)(layer, h, cfg.moe)
+    return x + (norm(cfg, h, layer.post_mlp_norm) if post else h), cache
+
+
 def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             attend: Attend, caches: Sequence[Any], *, logits_index: jax.Array | None = None,
             seq_lens_per_token: jax.Array | None = None,
             lora: lora_apply.LoraInputs | None = None,
             aux_layers: tuple[int, ...] = (), moe_fn: Callable[..., jax.Array] | None = None) -> tuple[jax.Array, ...]:
     """tokens, positions: [...] int32. Returns (float32 logits, updated caches), and with
-    `aux_layers` a third output: the residual stream entering each of those layers, concatenated
-    in layer order ([..., len(aux_layers) * D]: what an EAGLE-3 head reads).
+    `aux_layers` a third output: the residual stream entering each of those layers (num_layers:
+    leaving the last one), concatenated in layer order ([..., len(aux_layers) * D]: what an
+    EAGLE-3 or an MTP head reads).
 
     logits_index: gather these rows of the flattened token axis before the lm_head, so a step
     computes logits only for the rows that sample ([R] -> logits [R, Vp]); None keeps every row.
@@ -94,30 +124,16 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
     x = jnp.take(weights.embed, tokens, axis=0)
     if cfg.embed_scale is not None:
         x = x * jnp.asarray(cfg.embed_scale, x.dtype)
-    rotary = {}  # RopeConfig -> (cos, sin): layers that share a RoPE share its tables (made in layer
-    # order, not set order: the traced program must not depend on the process's hash seed)
-    for kind in dict.fromkeys(k.rope for k in cfg.layers if k.rope is not None):
-        rotary[kind] = rope.cos_sin(cfg, positions, seq_lens_per_token, kind)
+    rotary = rotary_tables(cfg, positions, seq_lens_per_token)
     new_caches, aux = [], []
-    pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
     for i, layer in enumerate(weights.layers):
         if i in aux_layers:
             aux.append(x)
         lo = None if lora is None else (lora.layers[i], lora.one_hot)
-        h = norm(cfg, x, layer.attn_norm) if pre else x
-        if cfg.mla is not None:  # the latent is this attention's only K and V head (model/mla.py)
-            h, cache = mla.attention(layer, h, rotary[cfg.layers[i].rope], cfg,
-                                     lambda q, latent: attend(i, q, latent, latent, caches[i]))
-        else:
-            q, k, v = qkv(layer, h, rotary.get(cfg.layers[i].rope), cfg, lo)
-            out, cache = attend(i, q, k, v, caches[i], sinks=layer.sinks)
-            out = out.astype(x.dtype)
-            h = lora_apply.add(_add(einsum("...hk,hkd->...d", out, layer.wo), layer.bo), "o_proj", out, lo)
+        x, cache = decoder_layer(cfg, i, layer, x, rotary, attend, caches[i], lo, moe_fn)
         new_caches.append(cache)
-        x = x + (norm(cfg, h, layer.post_attn_norm) if post else h)
-        h = norm(cfg, x, layer.mlp_norm) if pre else x
-        h = mlp(layer, h, lo, cfg.mlp_act) if layer.router is None else (moe_fn or moe_mlp)(layer, h, cfg.moe)
-        x = x + (norm(cfg, h, layer.post_mlp_norm) if post else h)
+    if cfg.num_layers in aux_layers:  # the residual stream after the last layer (an MTP head reads it)
+        aux.append(x)
     if logits_index is not None:
         x = jnp.take(x.reshape(-1, x.shape[-1]), logits_index, axis=0)
     x = norm(cfg, x, weights.final_norm)

@@ -34,6 +34,7 @@ from jaxserve.model.attention import make_attention
 from jaxserve.model.eagle3 import Eagle3Config
 from jaxserve.model.expert_parallel import make_moe
 from jaxserve.model.kv_heads import duplicate_kv_heads
+from jaxserve.model.mtp import MtpConfig
 from jaxserve.model.weights import Weights
 from jaxserve.parallel import sharding
 from jaxserve.parallel.layouts import layout_rules
@@ -48,7 +49,7 @@ from jaxserve.runner.program_store import ProgramTable, cache_directory, fingerp
 from jaxserve.runner.programs import (DONATED, FORWARD_STATICS, abstract_lora, copy_step, copy_width, forward_step,
     kv_dtype, lower_program, rows_width, sample_step)
 from jaxserve.runner.proposers.draft_model import DraftRunner, check_compatible
-from jaxserve.runner.proposers.eagle3 import EagleRunner
+from jaxserve.runner.proposers.hidden_heads import HeadRunner
 from jaxserve.runner.sampler import SamplerOutput, bitmask_words
 from jaxserve.runner.sampling_tensors import SamplingTensors
 from jaxserve.runner.step_inputs import StepArrays, StepInputBuilder, StepInputs, row_that_sampled, sampler_spans
@@ -67,7 +68,8 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig, mesh: Mesh,
                  dtype: Any = jnp.float32, draft: tuple[Any, Any] | None = None) -> None:
         """draft: the speculative proposer's (config, weights): a draft model's (ModelConfig,
-        Weights) for method draft_model, an EAGLE-3 head's (Eagle3Config, Eagle3Weights) for eagle3."""
+        Weights) for method draft_model, an EAGLE-3 head's (Eagle3Config, Eagle3Weights) for eagle3, the
+        checkpoint's MTP layer (MtpConfig, MtpWeights) for mtp."""
         CompileCounter.install()
         self.rules = rules = layout_rules(engine_cfg.layout, model_cfg)
         # A model axis wider than the KV head count holds one duplicated KV head per device.
@@ -85,8 +87,9 @@ class ModelRunner:
         self.dtype = jnp.dtype(dtype)
         # Unset sizes (pool, batch limits, context, buckets) come from the machine and the model.
         machine = machine_info(mesh)
-        eagle = draft if draft is not None and isinstance(draft[0], Eagle3Config) else None
-        if draft is not None and eagle is None:
+        # a head reading the target's hidden states (EAGLE-3, MTP), else a draft model
+        head = draft if draft is not None and isinstance(draft[0], (Eagle3Config, MtpConfig)) else None
+        if draft is not None and head is None:
             check_compatible(model_cfg, draft[0])
             draft = duplicate_kv_heads(*draft, mesh)
         if engine_cfg.enable_lora and (model_cfg.moe is not None or model_cfg.mla is not None):
@@ -95,7 +98,7 @@ class ModelRunner:
         lora_bytes = sharding.bytes_per_device(abstract_lora(model_cfg, engine_cfg, self.dtype, placement))
         self.capacity = plan_capacity(engine_cfg, model_cfg, machine, self.dtype.itemsize,
                                       mesh.shape[sharding.MODEL_AXIS],
-                                      draft=None if draft is None else eagle[0].layer if eagle else draft[0],
+                                      draft=None if draft is None else head[0].layer if head else draft[0],
                                       lora_bytes=lora_bytes)
         for line in self.capacity.lines:
             logger.info("%s", line)
@@ -121,7 +124,7 @@ class ModelRunner:
             logger.info("KV host tier: %d pages x %d tokens = %d tokens in %.2f GiB of host memory (%s)",
                         self.num_host_pages, engine_cfg.page_size, self.num_host_pages * engine_cfg.page_size,
                         engine_cfg.kv_offload_gib, self.host_tier.memory)
-        self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size, eagle=eagle is not None,
+        self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size, eagle=head is not None,
                                         num_groups=model_cfg.kv_groups.num_groups)
         self._attention = make_attention(engine_cfg.attention_backend, model_cfg, placement)
         self._moe = make_moe(model_cfg, placement)  # None unless the layout splits whole experts
@@ -140,11 +143,11 @@ class ModelRunner:
                                      list(mesh.devices.flat),
                                      preload=engine_cfg.warmup == "full" or draft is not None)  # see warmup.py
         self.draft = (DraftRunner(*draft, engine_cfg, placement, self.dtype, self._put, self.programs)
-                      if draft is not None and eagle is None else None)
-        self.eagle = (EagleRunner(*eagle, weights.embed, engine_cfg, placement, self.dtype, self._put,
-                                  self.programs)
-                      if eagle is not None else None)
-        self._aux: jax.Array | None = None  # with an EAGLE-3 head: the last forward's [T, 3 D] states
+                      if draft is not None and head is None else None)
+        self.head = (HeadRunner(*head, weights, engine_cfg, placement, self.dtype, self._put, self.programs)
+                     if head is not None else None)
+        self._aux: jax.Array | None = None  # with a head: the last forward's states it reads ([T, 3 D] for
+        # EAGLE-3, [T, D] for MTP)
         # the proposer's pool mirrors the target's pages: its pages move between the tiers too
         self._proposer_tier = (HostTier(self.proposer.kv, self._put, self.num_host_pages)
                                if self.host_tier is not None and self.proposer is not None else None)
@@ -244,9 +247,9 @@ class ModelRunner:
                 self.proposer.copy_pages(copy_step, src, dst)
 
     @property
-    def proposer(self) -> DraftRunner | EagleRunner | None:
+    def proposer(self) -> DraftRunner | HeadRunner | None:
         """The draft model or EAGLE-3 head that fills the plans' draft slots (propose), if any."""
-        return self.draft if self.draft is not None else self.eagle
+        return self.draft if self.draft is not None else self.head
 
     def propose(self, plan: StepPlan, prev_plan: StepPlan | None) -> list[list[int]]:
         """Proposals for the plan's chunks with draft slots (in plan order; possibly fewer ids than
@@ -265,7 +268,7 @@ class ModelRunner:
             found = [i for i, r in enumerate(rows) if r is not None]
             out = [[] for _ in chunks]
             if found:
-                got = self.eagle.propose([chunks[i] for i in found], [rows[i] for i in found],
+                got = self.head.propose([chunks[i] for i in found], [rows[i] for i in found],
                                          [len(chunks[i].draft_token_ids) for i in found])
                 for i, ids in zip(found, got):
                     out[i] = ids
@@ -283,8 +286,8 @@ class ModelRunner:
         for leaf in out:
             if leaf.is_fully_addressable:
                 leaf.copy_to_host_async()
-        if self.eagle is not None:
-            self.eagle.fill(inputs.arrays, inputs.eagle_shift, self._aux, self._prev_ids)
+        if self.head is not None:
+            self.head.fill(inputs.arrays, inputs.eagle_shift, self._aux, self._prev_ids)
         self._count_compilations(before, inputs)
         return out
 
@@ -302,7 +305,7 @@ class ModelRunner:
         return dict(kv=self.kv, packed=self._put(packed), spec=spec, cfg=self.model_cfg,
                     attention_fn=self._attention, prev_ids=self._prev_ids,
                     lora=self.lora.arrays if self.lora is not None else None,
-                    aux_layers=self.eagle.aux_layers if self.eagle is not None else (), moe_fn=self._moe)
+                    aux_layers=self.head.aux_layers if self.head is not None else (), moe_fn=self._moe)
 
     def _lora_slots(self) -> "DeviceSlots":
         """Every --lora-modules adapter read and checked now; slots filled as requests need them."""

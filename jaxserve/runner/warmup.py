@@ -49,8 +49,8 @@ def warm_up(runner: "ModelRunner", progress: Callable[[int, int, str], None] | N
     for done, p in enumerate(now, 1):
         if p.kind == "forward":
             logits_by_rows[p.logits], runner.kv = runner._forward(dummy_arrays(p, max_pages, pad_slot, lora))
-            if runner.eagle is not None:
-                runner.eagle.warm_fill(p, runner._aux, runner._prev_ids)
+            if runner.head is not None:
+                runner.head.warm_fill(p, runner._aux, runner._prev_ids)
         elif p.kind == "sample":
             jax.block_until_ready(runner._sample(logits_by_rows[p.rows], dummy_sampling(p.rows, p.history)))
         else:
@@ -60,9 +60,9 @@ def warm_up(runner: "ModelRunner", progress: Callable[[int, int, str], None] | N
             progress(done, len(now), p.name)
     if runner.draft is not None:
         logger.info("draft model: %d programs warmed up", runner.draft.warmup(runner._prev_ids))
-    if runner.eagle is not None:
+    if runner.head is not None:
         logger.info("EAGLE-3 head: a fill per forward program, %d proposal programs warmed up",
-                    runner.eagle.warm_propose())
+                    runner.head.warm_propose())
     if runner.lora is not None:
         runner.lora.warmup()
     if runner.host_tier is not None or cfg.kv_role is not None:  # host tier, PD exports/imports

@@ -2,6 +2,8 @@
 
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
     {"method": "draft_model" | "eagle3", "model": DIR, "num_speculative_tokens": k}
+    {"method": "mtp", "num_speculative_tokens": k}   the served checkpoint's MTP layer ("model":
+        the directory that holds it, filled in with the served model's when not given)
     optional for every method: "disable_by_batch_size": n (no speculation while more than n sequences
     are enqueued: running or waiting)
 """
@@ -12,11 +14,12 @@ import dataclasses
 import json
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle3", "mtp")
 _KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"},
     "draft_model": {"method", "model", "num_speculative_tokens", "disable_by_batch_size"},
     "eagle3": {"method", "model", "num_speculative_tokens", "disable_by_batch_size"},
+    "mtp": {"method", "model", "num_speculative_tokens", "disable_by_batch_size"},
 }
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -51,7 +54,7 @@ class SpeculativeConfig:
                              f"(allowed: {', '.join(sorted(_KEYS[method]))})")
         if "num_speculative_tokens" not in raw:
             raise ValueError("--speculative-config needs num_speculative_tokens")
-        if method != "ngram" and not raw.get("model"):
+        if method in ("draft_model", "eagle3") and not raw.get("model"):
             raise ValueError(f"--speculative-config method {method!r} needs a model directory")
         return cls(**raw)
 
@@ -69,6 +72,11 @@ class SpeculativeConfig:
                              f"prompt_lookup_max {self.prompt_lookup_max}")
         if self.disable_by_batch_size is not None:
             positive("disable_by_batch_size", self.disable_by_batch_size)
+
+    @property
+    def model_proposer(self) -> bool:
+        """Drafts come from a model's own layers run on the device (not from the host's n-grams)."""
+        return self.method != "ngram"
 
     def active(self, enqueued: int) -> bool:
         """Whether steps speculate with `enqueued` sequences running or waiting (off above

@@ -54,7 +54,7 @@ class Drafting:
         k = min(spec.num_speculative_tokens, budget - 1, seq.max_len - seq.num_tokens - 1)
         if k <= 0:
             return []
-        if spec.method in ("draft_model", "eagle3"):
+        if spec.model_proposer:
             return [DRAFT_SLOT] * k
         history = seq.token_history
         if history is None:

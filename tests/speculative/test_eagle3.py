@@ -18,7 +18,7 @@ import json
 import pytest
 
 from eagle3_heads import head_config, reference_drafts, write_head
-from engine_utils import SMALL_ENGINE, greedy, make_core, run_all, tiny_model
+from engine_utils import SMALL_ENGINE, greedy, make_core, record_proposals, run_all, tiny_model
 from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
 
@@ -27,19 +27,6 @@ K = 3
 
 def _spec(path) -> dict:
     return {"method": "eagle3", "model": str(path), "num_speculative_tokens": K}
-
-
-def _record(core) -> list[tuple[str, int, list[int]]]:
-    """Wraps the runner's propose: (seq_id, start_pos, drafts) of every proposal made."""
-    seen, propose = [], core.runner.propose
-
-    def wrapped(plan, prev_plan):
-        out = propose(plan, prev_plan)
-        seen.extend((c.seq_id, c.start_pos, list(d)) for c, d in zip([c for c in plan.chunks if c.draft_token_ids], out))
-        return out
-
-    core.runner.propose = wrapped
-    return seen
 
 
 def _requests(tag: str) -> list[Request]:
@@ -73,7 +60,7 @@ def test_proposals_equal_the_torch_oracle_and_outputs_equal_plain_decoding(llama
     config = head_config(hf, aux_layers=[0, 1, 3])
     tensors = write_head(tmp / "head", config, seed=1)
     core = make_core(cfg, weights, speculative_config=_spec(tmp / "head"))
-    seen = _record(core)
+    seen = record_proposals(core)
     assert run_all(core, _requests("r")) == expected
     assert _check_against_reference(hf, tensors, config, _requests("r"), expected, seen) >= 10
     assert {s for s, _, _ in seen} == {"rrep#0", "rplain#0", "rlong#0"}
@@ -96,7 +83,7 @@ def test_a_draft_vocabulary_head_is_partly_accepted_and_matches_the_oracle(llama
     tmp, cfg, weights, hf, _, expected = llama
     config, tensors = _two_token_head(tmp, hf, expected, "two", aux_layers=[3, 1, 2], norm_before_residual=True)
     core = make_core(cfg, weights, speculative_config=_spec(tmp / "two"))
-    seen = _record(core)
+    seen = record_proposals(core)
     assert run_all(core, _requests("r")) == expected
     stats = core.scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
@@ -179,7 +166,7 @@ def test_exporter_layout_with_its_own_embeddings_loads_the_same(llama):
     config = head_config(hf, aux_layers=[0, 2, 3], embed=True)
     tensors = write_head(tmp / "exported", config, seed=4, prefix="model.layers.0.")
     core = make_core(cfg, weights, speculative_config=_spec(tmp / "exported"))
-    seen = _record(core)
+    seen = record_proposals(core)
     reqs = _requests("r")[:2]
     assert run_all(core, reqs) == {r.request_id: expected[r.request_id] for r in reqs}
     assert _check_against_reference(hf, tensors, config, reqs, expected, seen) >= 5
