@@ -218,3 +218,19 @@ def test_serving_reads_the_mtp_layer_from_the_served_checkpoint(deepseek):
     assert core.engine_cfg.speculative_config.model == str(path)
     assert run_all(core, _requests("r")) == expected
     assert core.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_a_two_way_model_axis_equals_one_device(deepseek):
+    """The head's latent row duplicated to one per device like the target's (its layer's query
+    heads and experts split): the same outputs and the same drafts as on one device."""
+    path, cfg, weights, *_, expected = deepseek
+    one = make_core(cfg, weights, max_model_len=64, speculative_config=_spec(path))
+    one_drafts = record_proposals(one)
+    run_all(one, _requests("r"))
+    mesh = make_mesh(1, 2)
+    cfg2, weights2 = load_model(path, mesh)
+    core = make_core(cfg2, weights2, mesh=mesh, max_model_len=64, speculative_config=_spec(path))
+    assert core.runner.head.cfg.layer.num_kv_heads == 2
+    drafts = record_proposals(core)
+    assert run_all(core, _requests("r")) == expected
+    assert drafts == one_drafts and len(drafts) >= 10
