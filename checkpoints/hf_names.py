@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from jaxserve.core.config import ModelConfig
-from jaxserve.core.hf_families import TEXT_OF_MULTIMODAL
+from jaxserve.core.hf_families import MTP_FAMILIES, TEXT_OF_MULTIMODAL
 
 Transform = Callable[[np.ndarray], np.ndarray]
 
@@ -187,16 +187,11 @@ def name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Transform]]
     return table
 
 
-# families whose checkpoints carry multi-token-prediction layers after the decoder's (GLM-4.5's
-# num_nextn_predict_layers): served as the decoder alone, so their tensors are not read
-_MTP_LAYERS = ("glm4_moe", "deepseek_v3")
-
-
 def is_mtp_layer(name: str, cfg: ModelConfig) -> bool:
     """A tensor of a layer past the decoder's num_layers, in a family that stores MTP layers there."""
     prefix, _, rest = name.partition("model.layers.")
     index = rest.partition(".")[0]
-    return cfg.family in _MTP_LAYERS and not prefix and index.isdigit() and int(index) >= cfg.num_layers
+    return cfg.family in MTP_FAMILIES and not prefix and index.isdigit() and int(index) >= cfg.num_layers
 
 
 def _rows(start: int, rows: int) -> Callable[[np.ndarray], np.ndarray]:

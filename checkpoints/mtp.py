@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from checkpoints.hf import _iter_tensors, _safetensors_files, resolve_model_dir
+from checkpoints.hf import _get, _iter_tensors, _safetensors_files, resolve_model_dir
 from checkpoints.hf_names import name_table, unfused
 from jaxserve.core.config import ModelConfig
 from jaxserve.model import mtp
@@ -88,8 +88,3 @@ def load_mtp(model: str | Path, target: ModelConfig, mesh: Mesh, dtype: Any = jn
     return cfg, mtp.MtpWeights(enorm=out[("enorm",)], hnorm=out[("hnorm",)], eh_proj=out[("eh_proj",)], layer=layer,
                                final_norm=out[("final_norm",)])
 
-
-def _get(tree: Any, path: tuple[Any, ...]) -> Any:
-    for key in path:
-        tree = getattr(tree, key)
-    return tree

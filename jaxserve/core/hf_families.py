@@ -77,6 +77,9 @@ SUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "DeepseekV3ForCausalLM": "deepseek_v3",  # and Kimi K2, which ships this architecture
 }
+# families whose checkpoints store multi-token-prediction layers after the decoder's (as layers
+# num_hidden_layers ...): the decoder does not read them; speculative method "mtp" does (model/mtp.py)
+MTP_FAMILIES = ("glm4_moe", "deepseek_v3")
 _MODEL_TYPES = {"gemma3_text": "Gemma3ForCausalLM"}  # model_type -> architecture, where not the family name
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}

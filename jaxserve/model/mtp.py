@@ -25,13 +25,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxserve.core.config import ModelConfig
+from jaxserve.core.hf_families import MTP_FAMILIES
 from jaxserve.model import weights as W
 from jaxserve.model.matmul import einsum
 from jaxserve.model.norms import rms_norm
 from jaxserve.model.param_spec import ParamSpec
 from jaxserve.model.transformer import Attend, decoder_layer, lm_head, norm, rotary_tables
-
-FAMILIES = ("deepseek_v3", "glm4_moe")  # families whose checkpoints store MTP layers after the decoder's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +50,9 @@ class MtpConfig:
     def of(cls, target: ModelConfig) -> "MtpConfig":
         """The head of `target`'s family: its layer is the target's last layer kind, sparse when the
         target's MLPs are (DeepSeek's and GLM's MTP layers are MoE layers)."""
-        if target.family not in FAMILIES:
+        if target.family not in MTP_FAMILIES:
             raise ValueError(f"--speculative-config method 'mtp' needs a checkpoint with MTP layers "
-                             f"({', '.join(FAMILIES)}); {target.architecture} has none")
+                             f"({', '.join(MTP_FAMILIES)}); {target.architecture} has none")
         moe = None if target.moe is None else dataclasses.replace(target.moe, layers=(True,))
         layer = dataclasses.replace(target, num_layers=1, layers=target.layers[-1:], moe=moe, single_kv_group=True)
         return cls(layer=layer, target_layers=target.num_layers)
