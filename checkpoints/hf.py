@@ -7,6 +7,7 @@ never holds more than its shard of the weights plus one tensor in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -206,6 +207,31 @@ def _get(tree: Any, path: tuple[Any, ...]) -> Any:
     return tree
 
 
+def _expert_of(path: tuple[Any, ...]) -> tuple[tuple[Any, ...], int | None]:
+    """(the leaf's path, the expert index) of a table path: one expert's slice of a stacked [E, ...]
+    leaf ends in an int; any other path is the leaf's own (a part of a struct leaf ends in a name)."""
+    if len(path) == 4 and isinstance(path[3], int):
+        return path[:3], path[3]
+    return path, None
+
+
+def _one_expert(spec: Any) -> Any:
+    """A stacked quantized leaf's declaration for one expert: every ParamSpec without its expert axis."""
+    def drop(ps: Any) -> Any:
+        return None if ps is None else dataclasses.replace(
+            ps, shape=ps.shape[1:], axes=ps.axes[1:], contract=tuple(a - 1 for a in ps.contract))
+    return spec.replace(qvalue=drop(spec.qvalue), scale=drop(spec.scale), zero_point=drop(spec.zero_point))
+
+
+def _stacked(parts: list[Any]) -> Any:
+    """Experts' host arrays (plain, or quantized leaves) stacked on a new first axis."""
+    if not W.is_quantized(parts[0]):
+        return np.stack(parts)
+    zero = None if parts[0].zero_point is None else np.stack([p.zero_point for p in parts])
+    return parts[0].replace(qvalue=np.stack([p.qvalue for p in parts]), scale=np.stack([p.scale for p in parts]),
+                            zero_point=zero)
+
+
 def _set(tree: W.Weights, path: tuple[Any, ...], value: Any) -> W.Weights:
     """`value` at `path`: a leaf, or one part of a struct leaf (("layers", i, field, part): a packed
     MXFP4 projection's blocks or scales)."""
@@ -216,6 +242,18 @@ def _set(tree: W.Weights, path: tuple[Any, ...], value: Any) -> W.Weights:
         layers[path[1]] = layers[path[1]].replace(**{path[2]: value})
         return tree.replace(layers=layers)
     return tree.replace(**{path[0]: value})
+
+
+def _gathered_experts(experts: dict[tuple[Any, ...], dict[int, Any]], path: tuple[Any, ...], expert: int, host: Any,
+                      num_experts: int) -> Any:
+    """One expert's host arrays kept until its leaf has every expert: then the stacked leaf (and the
+    experts forgotten), else None."""
+    stack = experts.setdefault(path, {})
+    stack[expert] = host
+    if len(stack) < num_experts:
+        return None
+    del experts[path]
+    return _stacked([stack[e] for e in range(num_experts)])
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any = jnp.float32,
@@ -245,7 +283,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
     if q is not None and q.checkpoint_format is not None:
         needed, ignored = quantized.parts_of(q)
         modules = {n[: -len(".weight")]: n for n, (path, _) in table.items()
-                   if n.endswith(".weight") and W.is_quantized(_get(spec_tree, path))}
+                   if n.endswith(".weight") and W.is_quantized(_get(spec_tree, _expert_of(path)[0]))}
     pending: dict[str, dict[str, np.ndarray]] = {}
     out = jax.tree.map(lambda _: None, spec_tree, is_leaf=lambda x: W.is_spec(x) or W.is_quantized(x))
     experts: dict[tuple[Any, ...], dict[int, np.ndarray]] = {}  # MoE leaves still missing experts
@@ -255,14 +293,21 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
     tensors = _iter_tensors(files, lazy=slices is not None)
     if progress is not None:
         tensors = _reported(tensors, sum(len(_header(f)[1]) for f in files), progress)
-    for name, read in unfused(text_model(tensors, cfg), cfg):
+    # fp8-block Linears whose leaves are plain (their blocks do not tile the leaf, or they are split at
+    # load) arrive dequantized; the MTP layer's are skipped below as they are
+    names = lambda: (n for n, _ in text_model(((n, None) for f in files for n in _header(f)[1]), cfg))  # noqa: E731
+    plain = {p for p in quantized.scaled_modules(names, q) - set(modules) if not is_mtp_layer(p + ".weight", cfg)}
+    for name, read in unfused(quantized.widened(text_model(tensors, cfg), plain, q), cfg):
         if name in received:
             raise ValueError(f"tensor {name!r} appears in more than one safetensors file")
         received.add(name)
         prefix, _, part = name.rpartition(".")
-        if prefix in modules:
-            path = table[modules[prefix]][0]
+        if prefix in modules and (name == modules[prefix] or name not in table):  # a quantized Linear's part
+            # (its bias, a table entry of its own, is a plain tensor)
+            path, expert = _expert_of(table[modules[prefix]][0])
             spec = _get(spec_tree, path)
+            if expert is not None:
+                spec = _one_expert(spec)
             if part == "g_idx" and not q.act_order:
                 quantized.check_g_idx(read(), math.prod(spec.qvalue.shape[a] for a in spec.qvalue.contract),
                                       q.group_size, prefix)
@@ -277,8 +322,12 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
             if all(p in parts for p in needed):
                 pad = W.padded_vocab(cfg) - cfg.vocab_size if path == ("lm_head",) else 0
                 host = quantized.assemble(pending.pop(prefix), q, spec, prefix, pad)
-                out = _set(out, path, put(host, _get(sharding_tree, path)))
                 seen.add(modules[prefix])
+                if expert is not None:
+                    host = _gathered_experts(experts, path, expert, host, _get(spec_tree, path).qvalue.shape[0])
+                    if host is None:
+                        continue
+                out = _set(out, path, put(host, _get(sharding_tree, path)))
             continue
         if name not in table:
             if _IGNORED.match(name) or (cfg.tie_word_embeddings and name == "lm_head.weight") or is_mtp_layer(name, cfg):
@@ -286,9 +335,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
             raise ValueError(f"unexpected tensor {name!r} in {model_dir} for a {cfg.architecture} config")
         seen.add(name)
         path, transform = table[name]
-        # one expert's slice of a stacked [E, ...] leaf (an int last), or a part of a struct leaf (a name)
-        expert = path[3] if len(path) == 4 and isinstance(path[3], int) else None
-        path = path[:3] if expert is not None else path
+        path, expert = _expert_of(path)
         spec = _get(spec_tree, path)
         online = W.is_quantized(spec)
         shape = spec.qvalue.shape if online else spec.shape
@@ -306,16 +353,14 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, mesh: Mesh, dtype: Any
             continue
         host = _zero_padded(np.ascontiguousarray(host), shape)
         if expert is not None:
-            stack = experts.setdefault(path, {})
-            stack[expert] = host.astype(jnp.dtype(dtype))
-            if len(stack) < spec.shape[0]:
+            host = _gathered_experts(experts, path, expert, host.astype(jnp.dtype(dtype)),
+                                     (spec.qvalue if online else spec).shape[0])
+            if host is None:
                 continue
-            host = np.stack([stack[e] for e in range(spec.shape[0])])
-            del experts[path]
-        elif online:  # quantized on the host, so only the packed values are placed
+        if online:  # quantized on the host, so only the packed values are placed (experts: each its own tiles)
             values, scale = quant_host.quantize(host, spec.qtype, spec.scale.shape)
             host = spec.replace(qvalue=values, scale=scale.astype(jnp.dtype(dtype)))
-        else:
+        elif expert is None:
             host = host.astype(jnp.dtype(spec.dtype))  # the declared dtype (a float32 expert bias)
         out = _set(out, path, put(host, _get(sharding_tree, path)))
     for prefix, parts in pending.items():

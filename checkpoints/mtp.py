@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from checkpoints.hf import _get, _iter_tensors, _safetensors_files, resolve_model_dir
+from checkpoints import quantized
+from checkpoints.hf import _get, _header, _iter_tensors, _safetensors_files, resolve_model_dir
 from checkpoints.hf_names import name_table, unfused
 from jaxserve.core.config import ModelConfig
 from jaxserve.model import mtp
@@ -53,7 +54,12 @@ def load_mtp(model: str | Path, target: ModelConfig, mesh: Mesh, dtype: Any = jn
     table, prefix = _table(cfg), f"model.layers.{target.num_layers}."
     out: dict[tuple[Any, ...], Any] = {}
     experts: dict[tuple[Any, ...], dict[int, np.ndarray]] = {}
-    for name, read in unfused(_iter_tensors(_safetensors_files(model_dir)), cfg.layer):
+    files = _safetensors_files(model_dir)
+    # an fp8-block checkpoint's MTP Linears (the head holds them plain): dequantized as they are read
+    scaled = {p for p in quantized.scaled_modules(lambda: (n for f in files for n in _header(f)[1]), target.quantization)
+              if p.startswith(prefix)}
+    tensors = quantized.widened(_iter_tensors(files), scaled, target.quantization)
+    for name, read in unfused(tensors, cfg.layer):
         if not name.startswith(prefix):
             continue  # the decoder's own tensors
         key = name[len(prefix):]

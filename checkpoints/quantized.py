@@ -23,7 +23,7 @@ Formats (what the writers of each format put in a checkpoint, per their publishe
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -56,10 +56,10 @@ def _fp8(parts: dict[str, np.ndarray], q: WeightQuant, name: str) -> tuple[Any, 
     w, s = parts["weight"], parts["weight_scale_inv"]
     o, i = w.shape
     bi, bo = q.block
-    if o % bo or i % bi:
+    if (o % bo and o > bo) or (i % bi and i > bi):  # an axis shorter than a block is one (partial) block
         raise ValueError(f"{name}: fp8 weight [{o}, {i}] is not a whole number of {bo}x{bi} blocks")
-    if s.shape != (o // bo, i // bi):
-        raise ValueError(f"{name}.weight_scale_inv has shape {s.shape}, expected {(o // bo, i // bi)}")
+    if s.shape != (-(-o // bo), -(-i // bi)):
+        raise ValueError(f"{name}.weight_scale_inv has shape {s.shape}, expected {(-(-o // bo), -(-i // bi))}")
     return w.T, s.T, None
 
 
@@ -203,3 +203,47 @@ def assemble(parts: dict[str, np.ndarray], q: WeightQuant, spec: Any, name: str,
         scale=np.asarray(scale, np.float32).reshape(qspec.scale.shape).astype(out_dtype),
         zero_point=None if zero is None else np.asarray(zero, np.float32).reshape(qspec.scale.shape).astype(out_dtype))
     return spec.replace(weight=leaf, perm=perm) if q.act_order else leaf
+
+
+def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str) -> np.ndarray:
+    """An fp8 Linear [O, I] and its weight_scale_inv [ceil(O / bo), ceil(I / bi)] -> float32 [O, I]; the
+    last block of an axis may be partial (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows in 5 blocks of 128)."""
+    bi, bo = block
+    o, i = weight.shape
+    if scale_inv.shape != (-(-o // bo), -(-i // bi)):
+        raise ValueError(f"{name}.weight_scale_inv has shape {scale_inv.shape}, expected {(-(-o // bo), -(-i // bi))} "
+                         f"for a [{o}, {i}] weight in {bo}x{bi} blocks")
+    full = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), bo, axis=0), bi, axis=1)[:o, :i]
+    return weight.astype(np.float32) * full
+
+
+def widened(tensors: Iterator[tuple[str, Callable[[], np.ndarray]]], prefixes: set[str], q: WeightQuant
+            ) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+    """(name, read) per tensor, the fp8-block Linears in `prefixes` given as one `<prefix>.weight` each,
+    dequantized to float32 when read: modules whose leaves stay in the compute dtype because the
+    checkpoint's blocks do not tile their layout (weights.abstract: DeepSeek's q_b_proj and
+    kv_a_proj_with_mqa), that are split at load (kv_b_proj), or that a head holds plain (the MTP layer).
+    A Linear's two tensors may come in either order, and from different files."""
+    held: dict[str, dict[str, Callable[[], np.ndarray]]] = {}
+    for name, read in tensors:
+        prefix, _, part = name.rpartition(".")
+        if prefix not in prefixes or part not in ("weight", "weight_scale_inv"):
+            yield name, read
+            continue
+        parts = held.setdefault(prefix, {})
+        parts[part] = read
+        if len(parts) == 2:
+            del held[prefix]
+            yield f"{prefix}.weight", lambda p=parts, n=prefix: dequantize_fp8_blocks(
+                p["weight"](), p["weight_scale_inv"](), q.block, n)
+    for prefix, parts in held.items():
+        raise ValueError(f"fp8 Linear {prefix!r} has only its {', '.join(parts)}")
+
+
+def scaled_modules(names: Callable[[], Iterator[str]], q: WeightQuant | None) -> set[str]:
+    """The module prefixes an fp8-block checkpoint stores with block scales, from its tensor names
+    (`names`: called only for such a checkpoint, as it reads the files' headers); none for other formats."""
+    if q is None or q.checkpoint_format != "fp8":
+        return set()
+    suffix = ".weight_scale_inv"
+    return {n[: -len(suffix)] for n in names() if n.endswith(suffix)}

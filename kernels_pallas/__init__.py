@@ -13,7 +13,8 @@ import jax
 
 from kernels_pallas import cpu_decode_attention
 from kernels_pallas.cpu_decode_attention import ragged_paged_attention_cpu
-from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu, supports as gpu_supports
+from kernels_pallas.gpu_blocks import supports as gpu_supports
+from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention_tiled import ragged_paged_attention_tiled
 from kernels_pallas.ragged_paged_attention_tpu import ragged_paged_attention_tpu
@@ -27,7 +28,7 @@ JNP_BACKENDS = (ragged_paged_attention_reference, ragged_paged_attention_tiled)
 
 def _gpu_or_reference(q, k_pages, *args, **kwargs) -> jax.Array:
     """GPU kernel when it handles the head_dim/page_size, else the reference (same numbers)."""
-    if gpu_supports(head_dim=k_pages.shape[-1], page_size=k_pages.shape[1]):
+    if gpu_supports(head_dim=k_pages.shape[-1], page_size=k_pages.shape[1], v_head_dim=kwargs.get("v_head_dim")):
         return ragged_paged_attention_gpu(q, k_pages, *args, **kwargs)
     return ragged_paged_attention_reference(q, k_pages, *args, **kwargs)
 
@@ -70,7 +71,7 @@ def attention_for_platform(platform: str) -> AttentionFn:
 def ragged_paged_attention(
     q: jax.Array,  # [T, H, D]
     k_pages: jax.Array,  # [P, ps, KVH, D]
-    v_pages: jax.Array,  # [P, ps, KVH, D]
+    v_pages: jax.Array | None,  # [P, ps, KVH, D], or None: the values are K's rows (v_head_dim lanes)
     seq_lens: jax.Array,  # [S] int32
     cu_q_lens: jax.Array,  # [S + 1] int32
     page_tables: jax.Array,  # [S, MP] int32
@@ -82,14 +83,15 @@ def ragged_paged_attention(
     k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 for quantized pages (kv_quant.py)
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,  # [H] float32: one value-less logit per q head (gpt-oss)
-) -> jax.Array:  # [T, H, D]
+    v_head_dim: int | None = None,
+) -> jax.Array:  # [T, H, Dv]
     """Ragged paged attention on the default backend: tpu -> Mosaic kernel, gpu -> Triton kernel,
     anything else -> the tiled jnp path (same numbers as the reference; decodes batched, prefill
     chunks in tiles of their own rows)."""
     return attention_for_platform(jax.default_backend())(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scales=k_scales, v_scales=v_scales, sinks=sinks)
+        k_scales=k_scales, v_scales=v_scales, sinks=sinks, v_head_dim=v_head_dim)
 
 
 __all__ = [

@@ -25,6 +25,7 @@ class AttentionDims:
     num_kv_heads: int  # KVH
     max_seqs: int  # S
     max_pages_per_seq: int  # MP
+    v_head_dim: int  # Dv: the output's lanes (D, or the leading lanes of K's rows when v_pages is None)
 
     @property
     def group(self) -> int:
@@ -54,8 +55,12 @@ def check_attention_args(
     k_scales=None,
     v_scales=None,
     sinks=None,
+    v_head_dim: int | None = None,
 ) -> AttentionDims:
-    """Raises ValueError naming the first bad argument; returns the sizes."""
+    """Raises ValueError naming the first bad argument; returns the sizes.
+
+    `v_pages` None: every key row is also its value, read once (multi-head latent attention's latent
+    row); the values are its first `v_head_dim` lanes (default all), the V scales are K's."""
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     if k_pages.ndim != 4:
@@ -63,7 +68,13 @@ def check_attention_args(
             "k_pages must be [num_pages, page_size, num_kv_heads, head_dim], "
             f"got shape {k_pages.shape}"
         )
-    if v_pages.shape != k_pages.shape:
+    shared = v_pages is None
+    if shared:
+        if v_scales is not None:
+            raise ValueError("v_scales must be None when v_pages is None (the values are the keys' rows, "
+                             "scaled by k_scales)")
+        v_pages, v_scales = k_pages, k_scales
+    elif v_pages.shape != k_pages.shape:
         raise ValueError(f"v_pages shape {v_pages.shape} differs from k_pages shape {k_pages.shape}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be a floating dtype, got {q.dtype}")
@@ -88,6 +99,10 @@ def check_attention_args(
         raise ValueError("q must hold at least one token row")
     if head_dim_kv != head_dim:
         raise ValueError(f"k_pages head_dim {head_dim_kv} differs from q head_dim {head_dim}")
+    if v_head_dim is not None and (not shared or not isinstance(v_head_dim, int) or isinstance(v_head_dim, bool)
+                                   or not 1 <= v_head_dim <= head_dim):
+        raise ValueError(f"v_head_dim must be None, or with v_pages None an int in [1, {head_dim}]; got "
+                         f"{v_head_dim!r}" + ("" if shared else " with separate v_pages"))
     if num_pages < 1 or page_size < 1 or num_kv_heads < 1:
         raise ValueError(f"k_pages has an empty dimension: shape {k_pages.shape}")
     if num_q_heads % num_kv_heads != 0:
@@ -126,6 +141,7 @@ def check_attention_args(
         num_kv_heads=num_kv_heads,
         max_seqs=max_seqs,
         max_pages_per_seq=max_pages,
+        v_head_dim=v_head_dim or head_dim,
     )
 
 

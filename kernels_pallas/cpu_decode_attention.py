@@ -154,10 +154,14 @@ def decode_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_sca
                 has_sinks=sinks is not None)
 
 
-def _native_or_jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw) -> jax.Array:
-    if supports(k_pages):
-        return decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw)
-    return jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw)
+def _native_or_jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, *, v_head_dim: int,
+                               **kw) -> jax.Array:
+    if not supports(k_pages):
+        return jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, v_head_dim=v_head_dim,
+                               **kw)
+    if v_pages is None:  # values are K's rows: the native kernel reads the same pages as V, keeps Dv lanes
+        return decode_rows(q_rows, k_pages, k_pages, k_scales, k_scales, ctx, page_tables, **kw)[..., :v_head_dim]
+    return decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw)
 
 
 ragged_paged_attention_cpu = tiled_backend(

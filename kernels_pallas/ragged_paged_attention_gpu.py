@@ -4,9 +4,11 @@ Schedule:
   * The wrapper cuts every sequence's q rows into tiles of BQ tokens and lists them as work
     items (sequence, first row, rows in tile, position of first row). A batch has at most
     cdiv(T, BQ) + S tiles, which is the static grid size W; items past the real count are empty.
-  * grid = (W, KVH). Program (w, h) loads its q tile for the G query heads of kv head h as one
-    [BQ*Gp, D] matrix (rows token-major, GQA group minor; Gp = G rounded up to a power of two),
-    then walks the kv blocks its rows can see (causal end, sliding-window start), gathering each
+  * grid = (W, KVH, Gp / HB). Program (w, h, b) loads its q tile for query heads [b HB, (b + 1) HB)
+    of kv head h's group as one [BQ*HB, D] matrix (rows token-major, heads minor; Gp = G rounded up
+    to a power of two; HB = Gp unless the float32 accumulators [BQ*HB, Dv] would pass
+    MAX_ACCUMULATOR_VALUES: MLA's 128 heads of 512 value lanes go to two programs of 64), then walks
+    the kv blocks its rows can see (causal end, sliding-window start), gathering each
     block's keys through the page table with a masked pointer gather, with an online softmax in
     float32.
   * A kv block holds BK keys: NPB = BK / page_size whole pages when BK >= page_size, else a slice
@@ -19,22 +21,27 @@ Schedule:
   * 8-bit pages (int8 / float8, kernels_pallas/kv_quant.py) are widened to q's dtype as they are
     gathered; their per-token scales [P, KVH, ps] f32 are gathered the same way as a [1, BK] row
     that multiplies the logits (K scales) and the probabilities (V scales).
-  * Attention sinks (gpt-oss, `sinks` [H] f32): the wrapper lays them out per tile row, [KVH, R]
-    (row t * Gp + g of kv head h: sinks[h * G + g]); a program's running max starts there and its
-    running sum at 1, the sink being a first key with a zero value vector.
+  * Attention sinks (gpt-oss, `sinks` [H] f32): the wrapper lays them out per program row,
+    [KVH, Gp / HB, BQ*HB] (row t * HB + j of head block b: sinks[h * G + b * HB + j]); a program's
+    running max starts there and its running sum at 1, the sink being a first key with a zero value.
+  * Values read from the keys' rows (`v_pages=None`, multi-head latent attention's latent row):
+    each key block is gathered once and is both dots' operand, its first Dv lanes the values.
 
-Triton needs power-of-two block shapes and dot operands of at least 16 in each dimension:
-head_dim and page_size must be powers of two and head_dim at most 256 (`supports()` says whether a
-shape runs here; `kernels_pallas.ragged_paged_attention` sends the others to the reference).
+Triton needs power-of-two block shapes and dot operands of at least 16 in each dimension: a row is
+read in up to three power-of-two lane parts of at least 16 (`lane_parts`: 576 = 512 + 64, 80 = 64 +
+16), the logits summed over the parts' dots and each value part accumulated on its own; page_size
+must be a power of two and head_dim at most MAX_HEAD_DIM (`supports()` says whether a shape runs
+here; `kernels_pallas.ragged_paged_attention` sends the others to the reference).
 
 Shared memory (measured on sm_90a from the per-kernel figures XLA reports for compile-only H100s,
 jax 0.10.2, ~1100 configurations): the kernel keeps the q tile [R, D] and, per pipeline stage, one
-K and one V block [BK, D] in shared memory, R = block_q * Gp rows; a few bytes a row go to
+K and one V block [BK, D] in shared memory (K alone when the values are the keys' rows), R = block_q
+* HB rows; 8-bit pages stage 8-bit blocks plus their widened copy; a few bytes a row go to
 reductions, and float32 inputs at IEEE precision (jax's "highest"; the default is TF32 on the
-tensor cores) also stage a float32 [R, BK] tile. `shared_memory_bytes` adds these up (a bound the
-measurements reached within 1%), the default blocks shrink (BK first, down to 16 keys, then
-block_q) until it fits `MAX_SHARED_MEMORY` (227 KiB per block on H100/H200), and explicit blocks
-that do not fit raise ValueError before Triton is reached.
+tensor cores) also stage a float32 [R, BK] tile. `gpu_blocks.shared_memory_bytes` adds these up (a
+bound the measurements reached within 1%), the default blocks shrink (BK first, down to 16 keys,
+then block_q, then the head block) until it fits `MAX_SHARED_MEMORY` (227 KiB per block on
+H100/H200), and explicit blocks that do not fit raise ValueError before Triton is reached.
 """
 from __future__ import annotations
 
@@ -53,16 +60,17 @@ from kernels_pallas._checks import (
     is_power_of_two,
     next_power_of_two,
 )
+from kernels_pallas.gpu_blocks import (
+    _MIN_DOT,
+    MAX_HEAD_DIM,
+    MAX_SHARED_MEMORY,
+    choose_blocks,
+    lane_parts,
+    shared_memory_bytes,
+    supports,
+    value_parts,
+)
 
-_MIN_DOT = 16
-# Largest head_dim `supports()` accepts: every group size up to 128 then fits MAX_SHARED_MEMORY in
-# float32 with the smallest blocks (4 * 256 * (128 + 2 * 16 * 2) + (32 + 4 * 16) * 128 = 204 KiB).
-MAX_HEAD_DIM = 256
-# Shared memory one thread block may use on sm_90 (H100 / H200): 227 KiB of the 228 KiB per SM
-# (CUDA C++ Programming Guide, "Compute Capabilities" table; the target's
-# shared_memory_per_block_optin). Smaller parts (A100: 163 KiB, sm_86/sm_89: 99 KiB) need smaller
-# explicit blocks, or XLA rejects the program at compile time.
-MAX_SHARED_MEMORY = 227 * 1024
 # Passing Triton compiler params selects the Triton lowering (newer jax defaults to Mosaic GPU);
 # jax < 0.7 named the class TritonCompilerParams.
 _TritonParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
@@ -77,9 +85,9 @@ def _kernel(
     tables_ref,  # [S, MPp] int32, padded to a multiple of NPB (= max(1, BK / ps))
     q_ref,  # [T + BQ, KVH, Gp, D]
     k_ref,  # [P, ps, KVH, D]
-    v_ref,  # [P, ps, KVH, D]
-    *refs,  # quantized pages: k_scales, v_scales [P, KVH, ps] f32; sinks: [KVH, BQ*Gp] f32;
-    # then _o_in_ref (aliased), o_ref
+    *refs,  # v_ref [P, ps, KVH, D] unless shared; quantized pages: k_scales (and v_scales unless shared)
+    # [P, KVH, ps] f32; sinks: [KVH, Gp / head_block, rows] f32 (a program's rows); then _o_in_ref (aliased), o_ref [T + BQ, KVH, Gp, Dv]
+    shared: bool,
     quantized: bool,
     has_sinks: bool,
     sm_scale: float,
@@ -87,19 +95,32 @@ def _kernel(
     soft_cap: float | None,
     block_q: int,
     block_kv: int,
+    head_block: int,
+    lanes: tuple[tuple[int, int], ...],
+    num_value_parts: int,
 ):
-    ks_ref, vs_ref = refs[:2] if quantized else (None, None)
-    sinks_ref = refs[2 if quantized else 0] if has_sinks else None
-    o_ref = refs[-1]  # [T + BQ, KVH, Gp, D]
-    _, _, group_p, head_dim = q_ref.shape
+    refs = list(refs)
+    v_ref = k_ref if shared else refs.pop(0)
+    ks_ref = vs_ref = None
+    if quantized:
+        ks_ref = refs.pop(0)
+        vs_ref = ks_ref if shared else refs.pop(0)
+    sinks_ref = refs.pop(0) if has_sinks else None
+    o_ref = refs[-1]
     num_pages, page_size, _, _ = k_ref.shape
-    rows = block_q * group_p
+    rows = block_q * head_block
     # A block is NPB whole pages (BK >= ps) or a BK-key slice of one page (BK < ps).
     pages_per_block = max(1, block_kv // page_size)
     keys_per_page = min(block_kv, page_size)
     w = pl.program_id(0)
     h = pl.program_id(1)
+    head_blk = pl.program_id(2)
+    g0 = head_blk * head_block  # this program's first q head of kv head h's (padded) group
     n_rows = work_len_ref[w]
+    # The key lanes come in power-of-two parts (Triton's block shapes): one part for the usual head
+    # sizes, 512 + 64 for a latent row; the values are the first `num_value_parts` parts (of V's rows,
+    # or of the keys' own rows when `shared`).
+    v_lanes = lanes if not shared else lanes[:num_value_parts]
 
     @pl.when(n_rows > 0)
     def _():
@@ -109,8 +130,9 @@ def _kernel(
         seq_len = seq_lens_ref[s]
         num_seq_pages = (seq_len + page_size - 1) // page_size
 
-        q = q_ref[pl.ds(row0, block_q), h, :, :].reshape(rows, head_dim)  # [rows, D]
-        tile_row = lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) // group_p
+        qs = [q_ref[pl.ds(row0, block_q), h, pl.ds(g0, head_block), pl.ds(off, width)].reshape(rows, width)
+              for off, width in lanes]  # [rows, width] each
+        tile_row = lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0) // head_block
         row_live = tile_row < n_rows
         pos = pos0 + tile_row  # [rows, BK]
 
@@ -122,36 +144,38 @@ def _kernel(
             kb_start = jnp.maximum(pos0 - sliding_window + 1, 0) // block_kv
 
         def body(kb, carry):
-            m, l, acc = carry  # [rows], [rows], [rows, D]
+            m, l, accs = carry  # [rows], [rows], [rows, width] per value part
             first_key = kb * block_kv
             first_page = first_key // page_size
             page_idx = first_page + jnp.arange(pages_per_block, dtype=jnp.int32)
             pages = tables_ref[s, pl.ds(first_page, pages_per_block)]  # [NPB]
             # Entries past the sequence's pages are never read; clip so no id becomes a wild pointer.
             pages = jnp.clip(jnp.where(page_idx < num_seq_pages, pages, 0), 0, num_pages - 1)
-            # Pointer gather [NPB, keys per page, D]: every axis indexed by a broadcast array, which
-            # both the Triton lowering and the interpreter accept. The block's first slot is
-            # first_key mod ps: nonzero only when the block is a slice of a page (written as a
-            # subtraction: the Triton lowering rejects jnp's floor-mod of int32 scalars).
-            shape3 = (pages_per_block, keys_per_page, head_dim)
+            # The block's first slot is first_key mod ps: nonzero only when the block is a slice of a
+            # page (written as a subtraction: the Triton lowering rejects jnp's floor-mod of int32).
             first_slot = first_key - first_page * page_size
-            slot = first_slot + lax.broadcasted_iota(jnp.int32, shape3, 1)
-            dim = lax.broadcasted_iota(jnp.int32, shape3, 2)
-            page3 = jnp.broadcast_to(pages[:, None, None], shape3)
-            kv_real = (page_idx[:, None, None] * page_size + slot) < seq_len
-            if quantized:
-                # 8-bit pages widen exactly to q's dtype; Triton has no int -> float8 cast for a
-                # masked load's fill value, so stale slots are zeroed after widening.
-                k = jnp.where(kv_real, plgpu.load(k_ref.at[page3, slot, h, dim]).astype(q.dtype), 0.0)
-                v = jnp.where(kv_real, plgpu.load(v_ref.at[page3, slot, h, dim]).astype(q.dtype), 0.0)
-            else:  # stale slots (even NaN) load as 0
-                k = plgpu.load(k_ref.at[page3, slot, h, dim], mask=kv_real, other=0.0)
-                v = plgpu.load(v_ref.at[page3, slot, h, dim], mask=kv_real, other=0.0)
-            k = k.reshape(block_kv, head_dim)
-            v = v.reshape(block_kv, head_dim)
 
-            logits = lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            def gather(ref, off, width):
+                """One lane part of the block's rows, [BK, width] in q's dtype, stale slots 0: a
+                pointer gather with every axis indexed by a broadcast array, which both the Triton
+                lowering and the interpreter accept."""
+                shape3 = (pages_per_block, keys_per_page, width)
+                slot = first_slot + lax.broadcasted_iota(jnp.int32, shape3, 1)
+                dim = off + lax.broadcasted_iota(jnp.int32, shape3, 2)
+                page3 = jnp.broadcast_to(pages[:, None, None], shape3)
+                kv_real = (page_idx[:, None, None] * page_size + slot) < seq_len
+                if quantized:
+                    # 8-bit pages widen exactly to q's dtype; Triton has no int -> float8 cast for a
+                    # masked load's fill value, so stale slots are zeroed after widening.
+                    x = jnp.where(kv_real, plgpu.load(ref.at[page3, slot, h, dim]).astype(q_ref.dtype), 0.0)
+                else:  # stale slots (even NaN) load as 0
+                    x = plgpu.load(ref.at[page3, slot, h, dim], mask=kv_real, other=0.0)
+                return x.reshape(block_kv, width)
+
+            ks = [gather(k_ref, off, width) for off, width in lanes]
+            logits = sum(
+                lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                for q, k in zip(qs, ks)
             ) * sm_scale  # [rows, BK]
             if quantized:
                 # Per-key scales [1, BK] (kv_quant.py): on the logits here, on p before the PV dot.
@@ -161,7 +185,8 @@ def _kernel(
                 page2 = jnp.broadcast_to(pages[:, None], shape2)
                 real2 = (page_idx[:, None] * page_size + slot2) < seq_len
                 k_scale = plgpu.load(ks_ref.at[page2, h, slot2], mask=real2, other=0.0).reshape(1, block_kv)
-                v_scale = plgpu.load(vs_ref.at[page2, h, slot2], mask=real2, other=0.0).reshape(1, block_kv)
+                v_scale = k_scale if shared else plgpu.load(
+                    vs_ref.at[page2, h, slot2], mask=real2, other=0.0).reshape(1, block_kv)
                 logits = logits * k_scale
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
@@ -174,90 +199,26 @@ def _kernel(
             p = jnp.where(mask, jnp.exp(logits - m_new[:, None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l_new = alpha * l + p.sum(axis=1)
-            pv = lax.dot_general(
-                (p * v_scale if quantized else p).astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32,
-            )  # [rows, D]
-            return m_new, l_new, alpha[:, None] * acc + pv
+            p = (p * v_scale if quantized else p).astype(q_ref.dtype)
+            vs = ks[:num_value_parts] if shared else [gather(v_ref, off, width) for off, width in v_lanes]
+            accs = tuple(
+                alpha[:, None] * acc + lax.dot_general(p, v, (((1,), (0,)), ((), ())),
+                                                       preferred_element_type=jnp.float32)
+                for acc, v in zip(accs, vs)
+            )  # [rows, width] each
+            return m_new, l_new, accs
 
         if has_sinks:  # the sink as a first key with a zero value: max = sink, sum = exp(0) = 1
-            m0, l0 = sinks_ref[h, :], jnp.ones((rows,), jnp.float32)
+            m0, l0 = sinks_ref[h, head_blk, :], jnp.ones((rows,), jnp.float32)
         else:
             m0, l0 = jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32)
-        init = (m0, l0, jnp.zeros((rows, head_dim), jnp.float32))
-        _, l, acc = lax.fori_loop(kb_start, kb_end, body, init)
-        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-        out = out.reshape(block_q, group_p, head_dim).astype(o_ref.dtype)
-        live = (
-            lax.broadcasted_iota(jnp.int32, (block_q, group_p, head_dim), 0) < n_rows
-        )
-        plgpu.store(o_ref.at[pl.ds(row0, block_q), h, :, :], out, mask=live)
-
-
-def supports(*, head_dim: int, page_size: int) -> bool:
-    """Whether this kernel handles these sizes: power-of-two head_dim in [16, MAX_HEAD_DIM] (Triton
-    block shapes are powers of two, dots need 16) and a power-of-two page_size (any size: pages
-    larger than a kv block are read a slice at a time)."""
-    return (is_power_of_two(head_dim) and _MIN_DOT <= head_dim <= MAX_HEAD_DIM
-            and is_power_of_two(page_size))
-
-
-def shared_memory_bytes(
-    *, block_q: int, group_p: int, block_kv: int, head_dim: int, itemsize: int, num_stages: int
-) -> int:
-    """Upper bound on the shared memory one program uses: the q tile [block_q * Gp, D] plus one
-    K and one V block [BK, D] per pipeline stage, 32 bytes a q row for the row reductions and
-    pipeline barriers, and for 4-byte inputs a float32 [rows, BK] tile (the IEEE float32 dots
-    stage the probabilities through shared memory). See the module docstring for the measurements."""
-    rows = block_q * group_p
-    tiles = itemsize * head_dim * (rows + 2 * block_kv * max(1, num_stages))
-    return tiles + 32 * rows + (4 * rows * block_kv if itemsize >= 4 else 0)
-
-
-def default_block_q(num_tokens: int, max_seqs: int, group_p: int) -> int:
-    """Decode-heavy buckets (T <= 2S) get 16-row tiles, prefill buckets 64-row tiles."""
-    target_rows = _MIN_DOT if num_tokens <= 2 * max_seqs else 64
-    return max(1, target_rows // group_p)
-
-
-def default_block_kv(page_size: int) -> int:
-    """64 keys per kv block, or one whole page when pages are larger."""
-    return max(64, page_size)
-
-
-def choose_blocks(
-    *,
-    num_tokens: int,
-    max_seqs: int,
-    group_p: int,
-    head_dim: int,
-    page_size: int,
-    itemsize: int,
-    num_stages: int,
-    block_q: int | None = None,
-    block_kv: int | None = None,
-    max_shared_memory: int | None = None,
-) -> tuple[int, int]:
-    """(block_q, block_kv): the given ones as they are; defaults for the others, halved (the kv
-    block first, down to 16 keys, then the q tile, down to 16 rows) until
-    `shared_memory_bytes` fits `max_shared_memory` (default MAX_SHARED_MEMORY). The result may still
-    not fit (explicit blocks, or no default small enough): the caller checks."""
-    limit = MAX_SHARED_MEMORY if max_shared_memory is None else max_shared_memory
-    bq = block_q or default_block_q(num_tokens, max_seqs, group_p)
-    bk = block_kv or default_block_kv(page_size)
-
-    def fits(bq: int, bk: int) -> bool:
-        return shared_memory_bytes(block_q=bq, group_p=group_p, block_kv=bk, head_dim=head_dim,
-                                   itemsize=itemsize, num_stages=num_stages) <= limit
-
-    while not fits(bq, bk):
-        if block_kv is None and bk > _MIN_DOT:
-            bk //= 2
-        elif block_q is None and bq > 1 and bq * group_p > _MIN_DOT:
-            bq //= 2
-        else:
-            break
-    return bq, bk
+        init = (m0, l0, tuple(jnp.zeros((rows, width), jnp.float32) for _, width in v_lanes))
+        _, l, accs = lax.fori_loop(kb_start, kb_end, body, init)
+        for (off, width), acc in zip(v_lanes, accs):
+            out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).reshape(block_q, head_block, width)
+            live = lax.broadcasted_iota(jnp.int32, (block_q, head_block, width), 0) < n_rows
+            plgpu.store(o_ref.at[pl.ds(row0, block_q), h, pl.ds(g0, head_block), pl.ds(off, width)],
+                        out.astype(o_ref.dtype), mask=live)
 
 
 def work_items(
@@ -289,13 +250,13 @@ def work_items(
     jax.jit,
     static_argnames=(
         "sm_scale", "sliding_window", "soft_cap", "block_q", "block_kv",
-        "num_warps", "num_stages", "interpret",
+        "num_warps", "num_stages", "interpret", "v_head_dim",
     ),
 )
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, H, D]
     k_pages: jax.Array,  # [P, ps, KVH, D]
-    v_pages: jax.Array,  # [P, ps, KVH, D]
+    v_pages: jax.Array | None,  # [P, ps, KVH, D], or None: the values are K's rows (v_head_dim lanes)
     seq_lens: jax.Array,  # [S] int32
     cu_q_lens: jax.Array,  # [S + 1] int32
     page_tables: jax.Array,  # [S, MP] int32
@@ -312,7 +273,8 @@ def ragged_paged_attention_gpu(
     k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 for quantized pages (kv_quant.py)
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,  # [H] float32: one value-less logit per q head (gpt-oss)
-) -> jax.Array:  # [T, H, D]
+    v_head_dim: int | None = None,
+) -> jax.Array:  # [T, H, Dv]
     """Ragged paged attention on GPU (see docs/CONTRACTS.md); `interpret` runs on any backend.
 
     Tuning knobs (static, powers of two; None picks a default that fits shared memory):
@@ -322,17 +284,20 @@ def ragged_paged_attention_gpu(
     dims = check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scales=k_scales, v_scales=v_scales, sinks=sinks,
+        k_scales=k_scales, v_scales=v_scales, sinks=sinks, v_head_dim=v_head_dim,
     )
     for name, value in (("block_q", block_q), ("block_kv", block_kv), ("num_warps", num_warps),
                         ("num_stages", num_stages)):
         check_block_arg(name, value)
-    if not supports(head_dim=dims.head_dim, page_size=dims.page_size):
-        raise ValueError(
-            f"GPU kernel needs a power-of-two head_dim in [{_MIN_DOT}, {MAX_HEAD_DIM}] and a "
-            f"power-of-two page_size; got head_dim={dims.head_dim}, page_size={dims.page_size}"
-        )
+    shared = v_pages is None
     T, H, D = q.shape
+    Dv = dims.v_head_dim
+    if not supports(head_dim=D, page_size=dims.page_size, v_head_dim=Dv):
+        raise ValueError(
+            f"GPU kernel needs a head_dim of at most {MAX_HEAD_DIM} made of one to three power-of-two parts "
+            f"of at least {_MIN_DOT} lanes, values ending on a part, and a power-of-two page_size; got "
+            f"head_dim={D}, v_head_dim={Dv}, page_size={dims.page_size}"
+        )
     KVH, G, S, MP = dims.num_kv_heads, dims.group, dims.max_seqs, dims.max_pages_per_seq
     ps = dims.page_size
     gp = next_power_of_two(G)
@@ -340,28 +305,30 @@ def ragged_paged_attention_gpu(
         if value is not None and not is_power_of_two(value):
             raise ValueError(f"{name} must be a power of two, got {value}")
     itemsize = jnp.dtype(q.dtype).itemsize
-    bq, bk = choose_blocks(
+    page_itemsize = jnp.dtype(k_pages.dtype).itemsize
+    bq, bk, hb = choose_blocks(
         num_tokens=T, max_seqs=S, group_p=gp, head_dim=D, page_size=ps, itemsize=itemsize,
-        num_stages=num_stages, block_q=block_q,
-        block_kv=block_kv,
+        num_stages=num_stages, block_q=block_q, block_kv=block_kv, v_head_dim=Dv, shared=shared,
+        page_itemsize=page_itemsize,
     )
     npb = max(1, bk // ps)
+    rows = bq * hb
     if not interpret:
-        if bq * gp < _MIN_DOT or bk < _MIN_DOT:
+        if rows < _MIN_DOT or bk < _MIN_DOT:
             raise ValueError(
-                f"block_q * group ({bq * gp}) and block_kv ({bk} keys) must be >= {_MIN_DOT} "
+                f"block_q * heads ({rows}) and block_kv ({bk} keys) must be >= {_MIN_DOT} "
                 f"for Triton dots"
             )
-        smem = shared_memory_bytes(block_q=bq, group_p=gp, block_kv=bk, head_dim=D,
-                                   itemsize=itemsize, num_stages=num_stages)
+        smem = shared_memory_bytes(block_q=bq, group_p=hb, block_kv=bk, head_dim=D, itemsize=itemsize,
+                                   num_stages=num_stages, kv_blocks=1 if shared else 2, page_itemsize=page_itemsize)
         if smem > MAX_SHARED_MEMORY:
             layout = (f"{bk // ps} pages of {ps} keys" if bk >= ps
                       else f"a 1/{ps // bk} slice of a {ps}-key page")
             raise ValueError(
                 f"GPU kernel blocks need ~{smem} bytes of shared memory, more than the "
                 f"{MAX_SHARED_MEMORY} one block may use (sm_90): block_q={bq}, block_kv={bk} "
-                f"({layout}), num_stages={num_stages}, with group={G} (padded to {gp}), "
-                f"head_dim={D}, dtype={jnp.dtype(q.dtype).name}; use a smaller block_q, "
+                f"({layout}), num_stages={num_stages}, with group={G} (padded to {gp}, {hb} heads a "
+                f"program), head_dim={D}, dtype={jnp.dtype(q.dtype).name}; use a smaller block_q, "
                 f"block_kv or num_stages"
             )
     num_items = -(-T // bq) + S
@@ -373,25 +340,30 @@ def ragged_paged_attention_gpu(
     q_p = jnp.pad(q_p, ((0, bq), (0, 0), (0, gp - G), (0, 0)))
     mp_pad = -(-MP // npb) * npb
     tables = jnp.pad(page_tables, ((0, 0), (0, mp_pad - MP)))
-    out_init = jnp.zeros_like(q_p)
+    out_init = jnp.zeros((T + bq, KVH, gp, Dv), q.dtype)
 
+    parts = lane_parts(D)
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-        block_q=bq, block_kv=bk, quantized=k_scales is not None, has_sinks=sinks is not None,
+        block_q=bq, block_kv=bk, head_block=hb, lanes=parts, num_value_parts=value_parts(D, Dv),
+        shared=shared, quantized=k_scales is not None, has_sinks=sinks is not None,
     )
-    warps = num_warps or (4 if bq * gp <= 64 else 8)
-    scales = () if k_scales is None else (k_scales, v_scales)
-    # sinks per tile row [KVH, BQ * Gp]; padded heads get 0 (their rows are never stored)
+    warps = num_warps or (4 if rows <= 64 and rows * Dv <= 64 * 256 else 8)
+    pages = (k_pages,) if shared else (k_pages, v_pages)
+    scales = () if k_scales is None else (k_scales,) if shared else (k_scales, v_scales)
+    # sinks per program row [KVH, Gp / hb, BQ * hb] (row t * hb + j of head block b: sinks[h * G + b * hb + j]);
+    # padded heads get 0 (their rows are never stored)
     sink_rows = () if sinks is None else (jnp.broadcast_to(
-        jnp.pad(sinks.reshape(KVH, 1, G), ((0, 0), (0, 0), (0, gp - G))), (KVH, bq, gp)).reshape(KVH, bq * gp),)
-    operands = (*work, seq_lens, tables, q_p, k_pages, v_pages, *scales, *sink_rows, out_init)
+        jnp.pad(sinks.reshape(KVH, G), ((0, 0), (0, gp - G))).reshape(KVH, gp // hb, 1, hb),
+        (KVH, gp // hb, bq, hb)).reshape(KVH, gp // hb, rows),)
+    operands = (*work, seq_lens, tables, q_p, *pages, *scales, *sink_rows, out_init)
     out = pl.pallas_call(
         kernel,
-        grid=(num_items, KVH),
-        out_shape=jax.ShapeDtypeStruct(q_p.shape, q.dtype),
+        grid=(num_items, KVH, gp // hb),
+        out_shape=jax.ShapeDtypeStruct(out_init.shape, q.dtype),
         input_output_aliases={len(operands) - 1: 0},
         compiler_params=_TritonParams(num_warps=warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(*operands)
-    return out[:T, :, :G, :].reshape(T, H, D)
+    return out[:T, :, :G, :].reshape(T, H, Dv)

@@ -58,12 +58,12 @@ def _default_chunk_pages(num_tokens: int, page_size: int, num_kv_heads: int, hea
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "chunk_pages")
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "chunk_pages", "v_head_dim")
 )
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, H, D]
     k_pages: jax.Array,  # [P, ps, KVH, D]
-    v_pages: jax.Array,  # [P, ps, KVH, D]
+    v_pages: jax.Array | None,  # [P, ps, KVH, D], or None: the values are K's rows (v_head_dim lanes)
     seq_lens: jax.Array,  # [S] int32
     cu_q_lens: jax.Array,  # [S + 1] int32
     page_tables: jax.Array,  # [S, MP] int32
@@ -76,13 +76,15 @@ def ragged_paged_attention_reference(
     k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 when the pages are quantized (kv_quant.py)
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,  # [H] float32: one value-less logit per q head (gpt-oss)
-) -> jax.Array:  # [T, H, D], q.dtype
+    v_head_dim: int | None = None,
+) -> jax.Array:  # [T, H, Dv], q.dtype
     """Ragged paged attention in plain jnp, float32 softmax. See docs/CONTRACTS.md."""
     dims = check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scales=k_scales, v_scales=v_scales, sinks=sinks,
+        k_scales=k_scales, v_scales=v_scales, sinks=sinks, v_head_dim=v_head_dim,
     )
+    Dv = dims.v_head_dim
     if chunk_pages is not None and (not isinstance(chunk_pages, int) or chunk_pages < 1):
         raise ValueError(f"chunk_pages must be None or a positive int, got {chunk_pages!r}")
     T, H, D = q.shape
@@ -115,7 +117,7 @@ def ragged_paged_attention_reference(
         # Stale (even NaN) K only reaches masked scores, which `where` replaces; V is zeroed
         # outside the mask because 0 * NaN would leak into the weighted sum.
         k = gather_pages(k_pages, k_scales, pages)  # [T, chunk, KVH, D] float32
-        v = gather_pages(v_pages, v_scales, pages)
+        v = k[..., :Dv] if v_pages is None else gather_pages(v_pages, v_scales, pages)
         v = jnp.where(mask[:, :, None, None], v, 0.0)
         s = jnp.einsum("tkgd,tckd->tkgc", qf, k, precision=hi) * sm_scale  # [T, KVH, G, C]
         if soft_cap is not None:
@@ -134,7 +136,7 @@ def ragged_paged_attention_reference(
     init = (
         jnp.full((T, KVH, G), MASK_VALUE, jnp.float32),
         jnp.zeros((T, KVH, G), jnp.float32),
-        jnp.zeros((T, KVH, G, D), jnp.float32),
+        jnp.zeros((T, KVH, G, Dv), jnp.float32),
     )
     m, l, acc = lax.fori_loop(0, num_chunks, body, init)
     if sinks is not None:
@@ -144,4 +146,4 @@ def ragged_paged_attention_reference(
         l = l * keep + jnp.exp(sink - m_all)  # padding rows (l == 0, m = MASK_VALUE): l = 1, acc = 0
         acc = acc * keep[..., None]
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # padding rows: l == 0 -> output 0
-    return out.reshape(T, H, D).astype(q.dtype)
+    return out.reshape(T, H, Dv).astype(q.dtype)

@@ -108,11 +108,13 @@ def _scores(q, k, einsum_qk: str, sm_scale: float, soft_cap: float | None, mask)
 
 
 def jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, *, sm_scale, sliding_window,
-                    soft_cap, sinks=None) -> jax.Array:
+                    soft_cap, sinks=None, v_head_dim: int) -> jax.Array:
     """Attention of every decode sequence's single row (q_rows [S, H, D] float32, ctx [S]: its
-    context, 0 for sequences that are not decodes), in blocks of rows sorted by context: [S, H, D]
-    float32 (row s is sequence s's output; sequences that are not decodes get zeros)."""
+    context, 0 for sequences that are not decodes), in blocks of rows sorted by context: [S, H, Dv]
+    float32 (row s is sequence s's output; sequences that are not decodes get zeros). v_pages None:
+    the values are the first v_head_dim lanes of K's rows."""
     S, H, D = q_rows.shape
+    Dv = v_head_dim
     MP = page_tables.shape[1]
     num_pages, ps, KVH, _ = k_pages.shape
     G = H // KVH
@@ -139,21 +141,21 @@ def jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tabl
             if sliding_window is not None:
                 valid &= (row_ctx[:, None] - 1) - kv_pos[None, :] < sliding_window
             k = gather_pages(k_pages, k_scales, pages)                           # [R, C, KVH, D] f32
-            v = gather_pages(v_pages, v_scales, pages)
+            v = k[..., :Dv] if v_pages is None else gather_pages(v_pages, v_scales, pages)
             # Stale (even NaN) V outside every row's mask must not reach 0 * NaN in the sum.
             v = jnp.where(valid[:, :, None, None], v, 0.0)
             mask = valid[:, None, None, :]                                       # [R, 1, 1, C]
             s = _scores(q, k, "skgd,sckd->skgc", sm_scale, soft_cap, mask)        # [R, KVH, G, C]
             return _online_softmax_step(carry, s, v, mask, "skgc,sckd->skgd")
 
-        init = _softmax_init(sinks, (R, KVH, G), G, D)
+        init = _softmax_init(sinks, (R, KVH, G), G, Dv)
         num_chunks = jnp.minimum((row_ctx[0] + chunk - 1) // chunk, num_chunks_static)
         _, l, acc = lax.fori_loop(0, num_chunks, body, init)
-        res = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(R, H, D)
+        res = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(R, H, Dv)
         return lax.dynamic_update_slice_in_dim(out, res, b * R, 0)
 
     live_blocks = (jnp.sum(ctx > 0) + R - 1) // R
-    by_rank = lax.fori_loop(0, live_blocks, block, jnp.zeros((num_blocks * R, H, D), jnp.float32))
+    by_rank = lax.fori_loop(0, live_blocks, block, jnp.zeros((num_blocks * R, H, Dv), jnp.float32))
     rank = jnp.zeros((S,), jnp.int32).at[order[:S]].set(jnp.arange(S, dtype=jnp.int32))
     return by_rank[rank]
 
@@ -161,9 +163,10 @@ def jnp_decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tabl
 def _chunk_tiles(q_padded, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_lens, page_tables, q_len, is_chunk, out,
                  *, bq, sm_scale, sliding_window, soft_cap, sinks) -> jax.Array:
     """`out` with the attention of every row of the `is_chunk` sequences written in, tile by tile
-    (other rows keep what they held). q_padded and out: [T + at least bq, H, D] float32 (a tile
-    may run past T)."""
+    (other rows keep what they held). q_padded [T + at least bq, H, D] and out [.., H, Dv] float32 (a
+    tile may run past T); v_pages None: the values are the first Dv lanes of K's rows."""
     _, H, D = q_padded.shape
+    Dv = out.shape[-1]
     S, MP = page_tables.shape
     num_pages, ps, KVH, _ = k_pages.shape
     G = H // KVH
@@ -198,15 +201,15 @@ def _chunk_tiles(q_padded, k_pages, v_pages, k_scales, v_scales, seq_lens, cu_q_
                 valid &= row_pos[:, None] - kv_pos[None, :] < sliding_window
             mask = jnp.broadcast_to(valid[:, None, :], (bq, G, chunk)).reshape(1, bq * G, chunk)
             k = gather_pages(k_pages, k_scales, pages).transpose(1, 0, 2)           # [KVH, C, D] f32
-            v = gather_pages(v_pages, v_scales, pages).transpose(1, 0, 2)
+            v = k[..., :Dv] if v_pages is None else gather_pages(v_pages, v_scales, pages).transpose(1, 0, 2)
             v = jnp.where((kv_pos < ctx)[None, :, None], v, 0.0)                 # stale / NaN slots
             sc = _scores(qt, k, "kqd,kcd->kqc", sm_scale, soft_cap, mask)         # [KVH, bq*G, C]
             return _online_softmax_step(carry, sc, v, mask, "kqc,kcd->kqd")
 
-        init = _softmax_init(sinks, (KVH, bq * G), G, D)
+        init = _softmax_init(sinks, (KVH, bq * G), G, Dv)
         _, l, acc = lax.fori_loop(lo, hi, body, init)
-        res = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(KVH, bq, G, D).transpose(1, 0, 2, 3)
-        res = res.reshape(bq, H, D)
+        res = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(KVH, bq, G, Dv).transpose(1, 0, 2, 3)
+        res = res.reshape(bq, H, Dv)
         current = lax.dynamic_slice_in_dim(out, first, bq)
         return lax.dynamic_update_slice_in_dim(out, jnp.where(row_ok[:, None, None], res, current), first, 0)
 
@@ -221,7 +224,7 @@ def tiled_backend(decode_rows: Callable[..., jax.Array], name: str, doc: str) ->
     def attention(
         q: jax.Array,  # [T, H, D]
         k_pages: jax.Array,  # [P, ps, KVH, D]
-        v_pages: jax.Array,  # [P, ps, KVH, D]
+        v_pages: jax.Array | None,  # [P, ps, KVH, D], or None: the values are K's rows (v_head_dim lanes)
         seq_lens: jax.Array,  # [S] int32
         cu_q_lens: jax.Array,  # [S + 1] int32
         page_tables: jax.Array,  # [S, MP] int32
@@ -234,12 +237,13 @@ def tiled_backend(decode_rows: Callable[..., jax.Array], name: str, doc: str) ->
         k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 when the pages are quantized (kv_quant.py)
         v_scales: jax.Array | None = None,
         sinks: jax.Array | None = None,  # [H] float32: one value-less logit per q head (gpt-oss)
-    ) -> jax.Array:  # [T, H, D], q.dtype
-        check_attention_args(
+        v_head_dim: int | None = None,
+    ) -> jax.Array:  # [T, H, Dv], q.dtype
+        Dv = check_attention_args(
             q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            k_scales=k_scales, v_scales=v_scales, sinks=sinks,
-        )
+            k_scales=k_scales, v_scales=v_scales, sinks=sinks, v_head_dim=v_head_dim,
+        ).v_head_dim
         T, H, D = q.shape
         S = page_tables.shape[0]
         live = jnp.arange(S, dtype=jnp.int32) < num_seqs[0]
@@ -252,7 +256,7 @@ def tiled_backend(decode_rows: Callable[..., jax.Array], name: str, doc: str) ->
         qf = q.astype(jnp.float32)
         kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
         q_padded = jnp.pad(qf, ((0, heights[0]), (0, 0), (0, 0)))
-        out = jnp.zeros((T + heights[0], H, D), jnp.float32)
+        out = jnp.zeros((T + heights[0], H, Dv), jnp.float32)
         for i, bq in enumerate(heights):
             lo = heights[i + 1] if i + 1 < len(heights) else 1  # shorter sequences go to the next height
             which = (q_len > lo) if i == 0 else (q_len > lo) & (q_len <= bq)
@@ -261,13 +265,13 @@ def tiled_backend(decode_rows: Callable[..., jax.Array], name: str, doc: str) ->
         out = out[:T]
         q_rows = qf[jnp.clip(cu_q_lens[:-1], 0, T - 1)]                              # [S, H, D]
         ctx = jnp.where(is_decode, seq_lens, 0)                                      # [S]
-        decoded = decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, **kw)
+        decoded = decode_rows(q_rows, k_pages, v_pages, k_scales, v_scales, ctx, page_tables, v_head_dim=Dv, **kw)
         out = out.at[jnp.where(is_decode, cu_q_lens[:-1], T)].set(decoded, mode="drop")  # others -> dropped
         return out.astype(q.dtype)
 
     attention.__name__ = attention.__qualname__ = name
     attention.__doc__ = doc
-    return jax.jit(attention, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q"))
+    return jax.jit(attention, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "v_head_dim"))
 
 
 ragged_paged_attention_tiled = tiled_backend(

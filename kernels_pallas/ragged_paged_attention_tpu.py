@@ -28,6 +28,9 @@ Block sizes and memory (see the "VMEM / SMEM budgets" section below):
     [P, KVH, ps] f32, DMA'd page by page next to the values into [2, NPB, KVH, ps] buffers. The
     block's values are widened to q's dtype (exact), and per head the K scales multiply the
     logits and the V scales the probabilities, as a [1, BK] lane row (`scale_row`).
+  * values read from the keys' rows (`v_pages=None`, multi-head latent attention's latent row): one
+    page stream and one buffer; the values are the K block's first Dv lanes (512 of a latent row
+    stored in 640), 8-bit pages' one scale row serves both, and the output is [T, H, Dv].
   * attention sinks (gpt-oss, `sinks` [H] f32) come in SMEM; each q block's running max starts at
     its rows' sinks (row r = token * G + g of kv head h reads sinks[h * G + g]) and its running
     sum at 1: the sink is a first key whose value vector is zero.
@@ -69,18 +72,19 @@ def _kernel(
     # inputs
     q_ref,  # [KVH, BQ*G, D] VMEM block
     k_hbm,  # [P, ps, KVH, D] HBM ([P, ps, D] for one 16- or 8-bit head: squeeze_kv_heads)
-    v_hbm,  # [P, ps, KVH, D] HBM ([P, ps, D] for one 16- or 8-bit head: squeeze_kv_heads)
     *refs,
-    # quantized pages only: ks_hbm, vs_hbm [P, KVH, ps] f32 HBM scales (kv_quant.py)
+    # separate values only (not `shared`): v_hbm like k_hbm
+    # quantized pages only: ks_hbm (and vs_hbm unless shared) [P, KVH, ps] f32 HBM scales (kv_quant.py)
     # sinks only: sinks_ref [H] f32 SMEM
     # output
-    #   o_ref [KVH, BQ*G, D] VMEM block
+    #   o_ref [KVH, BQ*G, Dv] VMEM block
     # scratch
-    #   k_buf, v_buf [2, NPB, ps, KVH, D] ([2, NPB, ps, D] when squeezed)
-    #   quantized pages only: ks_buf, vs_buf [2, NPB, KVH, ps] f32
-    #   sems: DMA semaphores [2 (k, v) or 4 (k, v, k scales, v scales), 2 (slot)]
+    #   k_buf (and v_buf unless shared) [2, NPB, ps, KVH, D] ([2, NPB, ps, D] when squeezed)
+    #   quantized pages only: ks_buf (and vs_buf unless shared) [2, NPB, KVH, ps] f32
+    #   sems: DMA semaphores [one per buffer above, 2 (slot)]
     #   m_ref, l_ref [KVH, BQ*G, 128] f32 running max / denominator, lane-replicated
-    #   acc_ref [KVH, BQ*G, D] f32 running numerator
+    #   acc_ref [KVH, BQ*G, Dv] f32 running numerator
+    shared: bool,
     quantized: bool,
     has_sinks: bool,
     sm_scale: float,
@@ -90,13 +94,24 @@ def _kernel(
     group: int,
     max_pages: int,
 ):
+    # With `shared` values (multi-head latent attention) every key row is also its value, its first
+    # Dv lanes: one DMA per page instead of two, and V's buffers and scales are K's.
     refs = list(refs)
-    ks_hbm, vs_hbm = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
+    v_hbm = k_hbm if shared else refs.pop(0)
+    ks_hbm, vs_hbm = (None, None)
+    if quantized:
+        ks_hbm = refs.pop(0)
+        vs_hbm = ks_hbm if shared else refs.pop(0)
     sinks_ref = refs.pop(0) if has_sinks else None
-    o_ref, k_buf, v_buf = refs[:3]
-    ks_buf, vs_buf = refs[3:5] if quantized else (None, None)
-    sems, m_ref, l_ref, acc_ref = refs[-4:]
-    num_kv_heads, rows, head_dim = acc_ref.shape
+    o_ref, k_buf = refs.pop(0), refs.pop(0)
+    v_buf = k_buf if shared else refs.pop(0)
+    ks_buf, vs_buf = (None, None)
+    if quantized:
+        ks_buf = refs.pop(0)
+        vs_buf = ks_buf if shared else refs.pop(0)
+    sems, m_ref, l_ref, acc_ref = refs
+    num_kv_heads, rows, v_dim = acc_ref.shape
+    head_dim = k_buf.shape[-1]
     _, pages_per_block, page_size = k_buf.shape[:3]
     squeezed = k_buf.ndim == 4  # a single kv head, passed without its unit axis (squeeze_kv_heads)
     num_pages = k_hbm.shape[0]
@@ -150,7 +165,9 @@ def _kernel(
             j = kb * pages_per_block + i
             entry = tables_ref[s * max_pages + jnp.minimum(j, max_pages - 1)]
             page = jnp.clip(entry, 0, num_pages - 1)  # a bad id must not become a bad DMA
-            pairs = [(k_hbm, k_buf), (v_hbm, v_buf)] + ([(ks_hbm, ks_buf), (vs_hbm, vs_buf)] if quantized else [])
+            pairs = [(k_hbm, k_buf)] + ([] if shared else [(v_hbm, v_buf)])
+            if quantized:
+                pairs += [(ks_hbm, ks_buf)] + ([] if shared else [(vs_hbm, vs_buf)])
             copies.append((j < num_seq_pages, [
                 pltpu.make_async_copy(src.at[page], dst.at[slot, i], sems.at[n, slot])
                 for n, (src, dst) in enumerate(pairs)]))
@@ -214,21 +231,22 @@ def _kernel(
             # 8-bit pages widen whole (a head's rows are every KVH-th row of the packed 8-bit tiles;
             # slicing them before widening fails Mosaic's layout pass on v6e for int8 -> bf16).
             k_wide = k_buf[slot].astype(jnp.float32)  # [NPB, ps, KVH, D]
-            v_wide = v_buf[slot].astype(jnp.float32)
+            v_wide = k_wide if shared else v_buf[slot].astype(jnp.float32)
         for h in range(num_kv_heads):
             # Unfetched / stale slots may hold anything (NaN included): zero them.
-            if quantized:
-                head = (slice(None),) * 2 + (() if squeezed else (h,))
-                k = k_wide[head].reshape(block_kv, head_dim).astype(compute_dtype)
-                v = v_wide[head].reshape(block_kv, head_dim).astype(compute_dtype)
-            elif squeezed:
-                k = k_buf[slot].reshape(block_kv, head_dim)
-                v = v_buf[slot].reshape(block_kv, head_dim)
-            else:
-                k = k_buf[slot, :, :, h, :].reshape(block_kv, head_dim)
-                v = v_buf[slot, :, :, h, :].reshape(block_kv, head_dim)
+            def head_rows(buf, wide):  # kv head h of the block: [BK, D]
+                if quantized:
+                    head = (slice(None),) * 2 + (() if squeezed else (h,))
+                    return wide[head].reshape(block_kv, head_dim).astype(compute_dtype)
+                return (buf[slot] if squeezed else buf[slot, :, :, h, :]).reshape(block_kv, head_dim)
+
+            k = head_rows(k_buf, k_wide if quantized else None)
             k = jnp.where(kv_real, k, jnp.zeros_like(k))
-            v = jnp.where(kv_real, v, jnp.zeros_like(v))
+            if shared:  # the key rows' first Dv lanes (a lane-tile-aligned slice for MLA's 512)
+                v = k[:, :v_dim]
+            else:
+                v = head_rows(v_buf, v_wide if quantized else None)
+                v = jnp.where(kv_real, v, jnp.zeros_like(v))
             logits = lax.dot_general(
                 q_ref[h], k, (((1,), (1,)), ((), ())),
                 preferred_element_type=jnp.float32, precision=precision,
@@ -248,7 +266,7 @@ def _kernel(
             pv = lax.dot_general(
                 p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                 preferred_element_type=jnp.float32, precision=precision,
-            )  # [rows, D]
+            )  # [rows, Dv]
             acc_ref[h] = alpha * acc_ref[h] + pv
             m_ref[h] = jnp.broadcast_to(m_new, (rows, _LANES))
             l_ref[h] = jnp.broadcast_to(l_new, (rows, _LANES))
@@ -375,16 +393,17 @@ def _tile_bytes(shape: tuple[int, ...], itemsize: int, *, sublanes: int | None =
 
 def vmem_bytes(
     *, head_dim: int, num_kv_heads: int, group: int, page_size: int, block_q: int,
-    pages_per_block: int, dtype, page_dtype=None,
+    pages_per_block: int, dtype, page_dtype=None, v_head_dim: int | None = None,
 ) -> int:
     """VMEM the kernel needs (an upper bound), from its parameters alone.
 
     Explicit buffers, each in its tiled layout (`_tile_bytes`), rows = block_q * group,
     BK = pages_per_block * page_size:
       q and o blocks  [KVH, rows, D] dtype, double-buffered by the pipeline     4 x
-      K/V page buffers [2, NPB, ps, KVH, D] dtype (two slots)                   2 x
+      K/V page buffers [2, NPB, ps, KVH, D] dtype (two slots)                   2 x (1 x shared)
       m, l scratch    [KVH, rows, 128] f32                                      2 x
       acc scratch     [KVH, rows, D] f32                                        1 x
+    (`v_head_dim` set: the values are the K rows' first lanes, no V buffers; o and acc are that wide)
     plus the values Mosaic keeps in VMEM while it computes one kv block (the head loop is
     unrolled, and live ranges of different heads overlap), in f32 bytes:
       shared:   4 x [rows, BK] (token/pos/kv_pos/mask) + [BK, D] (kv_real)
@@ -401,21 +420,25 @@ def vmem_bytes(
     rows = block_q * group
     block_kv = pages_per_block * page_size
     d, bk, r = _round_up(head_dim, _LANES), _round_up(block_kv, _LANES), _round_up(rows, 8)
-    qo = 4 * _tile_bytes((num_kv_heads, rows, head_dim), itemsize, sublanes=8 * (4 // itemsize))
+    shared = v_head_dim is not None
+    dv = v_head_dim or head_dim
+    qo = sum(2 * _tile_bytes((num_kv_heads, rows, width), itemsize, sublanes=8 * (4 // itemsize))
+             for width in (head_dim, dv))
     kv_page = (
         (page_size, head_dim) if squeeze_kv_heads(num_kv_heads, page_dtype)
         else (page_size, num_kv_heads, head_dim)
     )
-    kv = 2 * _tile_bytes((2, pages_per_block, *kv_page), itemsize)
+    buffers = 1 if shared else 2
+    kv = buffers * _tile_bytes((2, pages_per_block, *kv_page), itemsize)
     if quantized:
         # scale buffers [2, NPB, KVH, ps] f32, and per head the widened K/V [BK, D], two scale
         # rows with their one-hot spread [ps, BK] and tiled [NPB, BK] products
-        kv += 2 * _tile_bytes((2, pages_per_block, num_kv_heads, page_size), 4)
+        kv += buffers * _tile_bytes((2, pages_per_block, num_kv_heads, page_size), 4)
         kv += num_kv_heads * 4 * (2 * _round_up(block_kv, 8) * _round_up(head_dim, _LANES)
                                   + 2 * (_round_up(page_size, 8) + _round_up(pages_per_block, 8) + 8)
                                   * _round_up(block_kv, _LANES))
     ml = 2 * _tile_bytes((num_kv_heads, rows, _LANES), 4)
-    acc = _tile_bytes((num_kv_heads, rows, head_dim), 4)
+    acc = _tile_bytes((num_kv_heads, rows, dv), 4)
     shared = 4 * (4 * r * bk + _round_up(block_kv, 8) * d)
     per_head = 4 * (2 * _round_up(block_kv, 8) * d + 2 * r * bk + 4 * r * d)
     values = shared + num_kv_heads * per_head
@@ -447,7 +470,7 @@ def _shrink_block_q(block_q: int, group: int) -> int | None:
 def choose_blocks(
     *, head_dim: int, num_kv_heads: int, group: int, page_size: int, max_pages_per_seq: int,
     dtype, budget: int, block_q: int | None = None, pages_per_block: int | None = None,
-    target: str | None = None, page_dtype=None,
+    target: str | None = None, page_dtype=None, v_head_dim: int | None = None,
 ) -> tuple[int, int]:
     """(block_q, pages_per_block) whose `vmem_bytes` fits `budget`.
 
@@ -463,7 +486,7 @@ def choose_blocks(
     def need(bq, npb):
         return vmem_bytes(
             head_dim=head_dim, num_kv_heads=num_kv_heads, group=group, page_size=page_size,
-            block_q=bq, pages_per_block=npb, dtype=dtype, page_dtype=page_dtype,
+            block_q=bq, pages_per_block=npb, dtype=dtype, page_dtype=page_dtype, v_head_dim=v_head_dim,
         )
 
     while need(bq, npb) > budget:
@@ -487,13 +510,13 @@ def choose_blocks(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_block", "interpret",
+        "sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_block", "interpret", "v_head_dim",
     ),
 )
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, H, D]
     k_pages: jax.Array,  # [P, ps, KVH, D]
-    v_pages: jax.Array,  # [P, ps, KVH, D]
+    v_pages: jax.Array | None,  # [P, ps, KVH, D], or None: the values are K's rows (v_head_dim lanes)
     seq_lens: jax.Array,  # [S] int32
     cu_q_lens: jax.Array,  # [S + 1] int32
     page_tables: jax.Array,  # [S, MP] int32
@@ -508,14 +531,17 @@ def ragged_paged_attention_tpu(
     k_scales: jax.Array | None = None,  # [P, KVH, ps] float32 for quantized pages (kv_quant.py)
     v_scales: jax.Array | None = None,
     sinks: jax.Array | None = None,  # [H] float32: one value-less logit per q head (gpt-oss)
-) -> jax.Array:  # [T, H, D]
+    v_head_dim: int | None = None,
+) -> jax.Array:  # [T, H, Dv]
     """Ragged paged attention on TPU (see docs/CONTRACTS.md); `interpret` runs the TPU interpreter."""
     dims = check_attention_args(
         q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scales=k_scales, v_scales=v_scales, sinks=sinks,
+        k_scales=k_scales, v_scales=v_scales, sinks=sinks, v_head_dim=v_head_dim,
     )
     quantized = k_scales is not None
+    shared = v_pages is None
+    Dv = dims.v_head_dim
     check_block_arg("block_q", block_q)
     check_block_arg("pages_per_block", pages_per_block)
     T, H, D = q.shape
@@ -525,7 +551,7 @@ def ragged_paged_attention_tpu(
     bq, npb = choose_blocks(
         head_dim=D, num_kv_heads=KVH, group=G, page_size=dims.page_size, max_pages_per_seq=MP,
         dtype=q.dtype, budget=budget, block_q=block_q, pages_per_block=pages_per_block,
-        target=target, page_dtype=k_pages.dtype,
+        target=target, page_dtype=k_pages.dtype, v_head_dim=Dv if shared else None,
     )
     num_q_blocks = -(-T // bq)
     smem = smem_bytes(max_seqs=S, max_pages_per_seq=MP, num_q_blocks=num_q_blocks,
@@ -547,16 +573,15 @@ def ragged_paged_attention_tpu(
     first_seq = jnp.where(live, seq_of_block, num_seqs[0]).astype(jnp.int32)
 
     rows = bq * G
-    block = pl.BlockSpec((KVH, rows, D), lambda b, *_: (0, b, 0))
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-        block_q=bq, group=G, max_pages=MP, quantized=quantized, has_sinks=sinks is not None,
+        block_q=bq, group=G, max_pages=MP, shared=shared, quantized=quantized, has_sinks=sinks is not None,
     )
+    pages = (k_pages,) if shared else (k_pages, v_pages)
     if squeeze_kv_heads(KVH, k_pages.dtype):
-        k_pages = k_pages.reshape(k_pages.shape[0], dims.page_size, D)
-        v_pages = v_pages.reshape(v_pages.shape[0], dims.page_size, D)
-    buf = pltpu.VMEM((2, npb, *k_pages.shape[1:]), k_pages.dtype)
-    scales = (k_scales, v_scales) if quantized else ()
+        pages = tuple(p.reshape(p.shape[0], dims.page_size, D) for p in pages)
+    buf = pltpu.VMEM((2, npb, *pages[0].shape[1:]), k_pages.dtype)
+    scales = () if not quantized else (k_scales,) if shared else (k_scales, v_scales)
     scale_bufs = [pltpu.VMEM((2, npb, KVH, dims.page_size), jnp.float32)] * len(scales)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     sink_in = () if sinks is None else (sinks,)
@@ -566,25 +591,25 @@ def ragged_paged_attention_tpu(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(num_q_blocks,),
-            in_specs=[block, hbm, hbm, *[hbm] * len(scales), *smem_in],
-            out_specs=block,
+            in_specs=[pl.BlockSpec((KVH, rows, D), lambda b, *_: (0, b, 0)),
+                      *[hbm] * (len(pages) + len(scales)), *smem_in],
+            out_specs=pl.BlockSpec((KVH, rows, Dv), lambda b, *_: (0, b, 0)),
             scratch_shapes=[
-                buf,
-                buf,
+                *[buf] * len(pages),
                 *scale_bufs,
-                pltpu.SemaphoreType.DMA((2 + len(scales), 2)),
+                pltpu.SemaphoreType.DMA((len(pages) + len(scales), 2)),
                 pltpu.VMEM((KVH, rows, _LANES), jnp.float32),
                 pltpu.VMEM((KVH, rows, _LANES), jnp.float32),
-                pltpu.VMEM((KVH, rows, D), jnp.float32),
+                pltpu.VMEM((KVH, rows, Dv), jnp.float32),
             ],
         ),
-        out_shape=jax.ShapeDtypeStruct((KVH, t_pad * G, D), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((KVH, t_pad * G, Dv), q.dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",), vmem_limit_bytes=budget,
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention_tpu",
     )(seq_lens, cu_q_lens, page_tables.reshape(S * MP), num_seqs, first_seq,
-      q_t, k_pages, v_pages, *scales, *sink_in)
-    out = out.reshape(KVH, t_pad, G, D).transpose(1, 0, 2, 3).reshape(t_pad, H, D)
+      q_t, *pages, *scales, *sink_in)
+    out = out.reshape(KVH, t_pad, G, Dv).transpose(1, 0, 2, 3).reshape(t_pad, H, Dv)
     return out[:T]

@@ -5,6 +5,9 @@ achieved HBM bandwidth against the device's measured copy bandwidth.
     python scripts/kernel_bench.py --quick          # one small case (smoke run)
     python scripts/kernel_bench.py --backend cpu --baseline tiled --dtypes float32 --repeats 7
                                                     # CPU: native decode kernel vs the jnp path
+    python scripts/kernel_bench.py --q-heads 16 --kv-heads 1 --head-dim 576 --latent 512
+                                                    # DeepSeek-V3's latent rows (TP=8): values read
+                                                    # from the key rows vs the same pages as K and V
 
 Prints one table row per (case, dtype); exits 1 if any kernel output differs from the reference
 beyond tolerance (|err| <= rtol * (max|ref| + |ref|); rtol 1e-5 for f32, 1e-2 for bf16).
@@ -80,10 +83,11 @@ def make_inputs(case: BenchCase, *, num_q_heads: int, num_kv_heads: int, head_di
 
 
 def bytes_moved(case: BenchCase, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                itemsize: int) -> int:
-    """Minimum HBM traffic: every live K/V token once, q in, out back."""
-    kv = sum(case.ctx_lens) * num_kv_heads * head_dim * itemsize * 2
-    qo = sum(case.q_lens) * num_q_heads * head_dim * itemsize * 2
+                itemsize: int, latent: int | None = None) -> int:
+    """Minimum HBM traffic: every live K/V token once (a latent row once: its values are its lanes),
+    q in, out back."""
+    kv = sum(case.ctx_lens) * num_kv_heads * head_dim * itemsize * (1 if latent else 2)
+    qo = sum(case.q_lens) * num_q_heads * (head_dim + (latent or head_dim)) * itemsize
     return kv + qo
 
 
@@ -141,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interpret", action="store_true",
                    help="run the gpu/tpu kernel in the Pallas interpreter (script smoke test on CPU)")
     p.add_argument("--copy-mib", type=int, default=1024, help="buffer size for the copy bandwidth")
+    p.add_argument("--latent", type=int, default=None, metavar="L",
+                   help="values read from the key rows' first L lanes (v_pages=None, multi-head latent "
+                        "attention); the baseline gets the same pages as K and V and keeps L lanes")
     a = p.parse_args(argv)
 
     kernel = get_attention_backend(a.backend)
@@ -153,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         cases = [BenchCase("quick_decode", (1,) * 4, (1, 17, 100, 300))]
 
     print(f"kernel: {a.backend}{' (interpreted)' if kernel_kw else ''} vs {a.baseline}; "
-          f"heads {a.q_heads}/{a.kv_heads}, head_dim {a.head_dim}, page_size {a.page_size}")
+          f"heads {a.q_heads}/{a.kv_heads}, head_dim {a.head_dim}, page_size {a.page_size}"
+          + (f", values the key rows' first {a.latent} lanes" if a.latent else ""))
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     copy_bw = copy_bandwidth(a.copy_mib << 20)
     print(f"measured copy bandwidth (read+write of {a.copy_mib} MiB bf16): {copy_bw / 1e9:.0f} GB/s")
@@ -167,15 +175,20 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             args = make_inputs(case, page_size=a.page_size, dtype=dtype, seed=a.seed, **dims)
             scale = a.head_dim ** -0.5
-            run_kernel = jax.jit(lambda *x: kernel(*x, sm_scale=scale, **kernel_kw))
-            run_ref = jax.jit(lambda *x: reference(*x, sm_scale=scale))
+            if a.latent:  # one page stream: the kernel reads K's rows as values, the baseline reads them twice
+                run_kernel = jax.jit(lambda q, k, _, *x: kernel(q, k, None, *x, sm_scale=scale, v_head_dim=a.latent,
+                                                                **kernel_kw))
+                run_ref = jax.jit(lambda q, k, _, *x: reference(q, k, k, *x, sm_scale=scale)[..., :a.latent])
+            else:
+                run_kernel = jax.jit(lambda *x: kernel(*x, sm_scale=scale, **kernel_kw))
+                run_ref = jax.jit(lambda *x: reference(*x, sm_scale=scale))
             ref_iters = a.iters if a.baseline != "reference" else max(1, a.iters // 4)
             pairs = [(time_call(run_kernel, args, a.iters), time_call(run_ref, args, ref_iters))
                      for _ in range(a.repeats)]
             t_kernel, t_ref = (float(np.median(t)) for t in zip(*pairs))
             ok, err = compare(run_kernel(*args), run_ref(*args), RTOL[dtype_name])
             failed |= not ok
-            nbytes = bytes_moved(case, itemsize=dtype.itemsize, **dims)
+            nbytes = bytes_moved(case, itemsize=dtype.itemsize, latent=a.latent, **dims)
             flops = attention_flops(case, num_q_heads=a.q_heads, head_dim=a.head_dim)
             bw = nbytes / t_kernel
             print(f"{case.name:<13}{dtype_name:<10}{sum(case.q_lens):>6}{t_kernel * 1e3:>11.3f}"

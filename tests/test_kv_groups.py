@@ -211,6 +211,10 @@ def test_a_tpu_pool_is_lane_dense_and_capacity_counts_its_bytes():
     assert [pool_head_dim(d, "tpu") for d in widths] == [64, 128, 128, 192, 256]
     assert not any(fused_kv(d, p) for d in widths for p in ("cpu", "gpu"))
     assert [pool_head_dim(d, p) for d in (64, 80) for p in ("cpu", "gpu")] == [64, 64, 80, 80]
+    # a latent row is one array, never fused: DeepSeek's 576 lanes (which fused_kv's rule would take)
+    # padded to whole tiles on a TPU only
+    assert fused_kv(576, "tpu") and pool_head_dim(576, "tpu", latent=True) == 640
+    assert pool_head_dim(576, "gpu", latent=True) == 576
     cfg = ModelConfig.from_hf(Path(__file__).parents[1] / "scripts" / "model_configs" / "gpt-oss-20b.json")
     gpu = kv_bytes_per_token(cfg, 2, 1, "auto", "gpu")
     assert gpu == 2 * 12 * 8 * 64 * 2  # K and V of 12 pool arrays (2 groups of 12 layers), 8 heads of 64, bf16

@@ -131,7 +131,7 @@ def test_a_tpu_pool_layout_serves_the_same_tokens(variant, layout, monkeypatch, 
     reads the output's own lanes)."""
     cfg, weights, _ = tiny_model(tmp_path, variant, seed=5)
     if layout == "padded":
-        monkeypatch.setattr(kv_cache, "pool_head_dim", lambda head_dim, platform: 128)
+        monkeypatch.setattr(kv_cache, "pool_head_dim", lambda head_dim, platform, latent=False: 128)
     else:
         monkeypatch.setattr(kv_cache, "fused_kv", lambda head_dim, platform: True)
     core = make_core(cfg, weights, max_num_batched_tokens=8, token_buckets=(8,), seq_buckets=(4, 8),

@@ -345,7 +345,7 @@ def test_a_copy_of_the_pool_is_measured_and_placement_noise_is_not(monkeypatch):
     # one [16, 4, 128] row per layer: K and V of 4 heads of 64 side by side, no padding
     assert fused.page_bytes == cfg.num_layers * engine.page_size * 4 * 128 * 2 and fused.temp_per_page == 0
     monkeypatch.setattr(kv_cache, "fused_kv", lambda head_dim, platform: False)
-    monkeypatch.setattr(kv_cache, "pool_head_dim", lambda head_dim, platform: head_dim)
+    monkeypatch.setattr(kv_cache, "pool_head_dim", lambda head_dim, platform, latent=False: head_dim)
     narrow = measure()
     assert narrow.temp_per_page >= narrow.page_bytes / (2 * cfg.num_layers)
 

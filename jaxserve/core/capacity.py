@@ -148,7 +148,7 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int, model_axis: int = 1, kv_
     KV heads split when the axis divides them; 8-bit pages (`kv_cache_dtype`) count their scales."""
     heads = cfg.num_kv_heads // model_axis if cfg.num_kv_heads % model_axis == 0 else cfg.num_kv_heads
     arrays = cfg.kv_groups.num_arrays
-    head_dim = pool_head_dim(cfg.head_dim, platform)
+    head_dim = pool_head_dim(cfg.head_dim, platform, latent=cfg.mla is not None)
     return cfg.kv_arrays_per_layer * arrays * heads * kv_quant.bytes_per_head_token(kv_cache_dtype, head_dim, itemsize)
 
 

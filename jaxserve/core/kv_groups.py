@@ -131,9 +131,11 @@ def fused_kv(head_dim: int, platform: str) -> bool:
     return platform == "tpu" and head_dim % TPU_LANES != 0 and 2 * head_dim % TPU_LANES == 0
 
 
-def pool_head_dim(head_dim: int, platform: str) -> int:
+def pool_head_dim(head_dim: int, platform: str, *, latent: bool = False) -> int:
     """The lanes one head's K (or V) takes in the pool on `platform`: a TPU zero-pads a head that is
-    neither whole tiles nor fused (fused_kv) to whole 128-lane tiles, for the same reason."""
-    if platform != "tpu" or fused_kv(head_dim, platform):
+    neither whole tiles nor fused (fused_kv) to whole 128-lane tiles, for the same reason. A latent
+    row (multi-head latent attention: one array, never fused) is padded whatever its width: DeepSeek's
+    576 lanes as they were made XLA:TPU copy the whole pool into the kernel's layout every step."""
+    if platform != "tpu" or (not latent and fused_kv(head_dim, platform)):
         return head_dim
     return -(-head_dim // TPU_LANES) * TPU_LANES

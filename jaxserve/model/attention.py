@@ -63,20 +63,21 @@ def _shard_over_heads(fn: AttentionFn, mesh: Mesh, axis: str) -> AttentionFn:
     meta = P()
 
     def wrapped(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *, sm_scale,
-                sliding_window=None, soft_cap=None, k_scales=None, v_scales=None, sinks=None):
-        quantized = k_scales is not None
+                sliding_window=None, soft_cap=None, k_scales=None, v_scales=None, sinks=None, v_head_dim=None):
+        # optional operands (V pages: none when the values are K's rows; scales; sinks), by name
+        named = {"v_pages": (v_pages, pages), "k_scales": (k_scales, scales), "v_scales": (v_scales, scales),
+                 "sinks": (sinks, sink_spec)}
+        present = [name for name, (x, _) in named.items() if x is not None]
 
-        def inner(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *extra_in):
-            ks, vs = extra_in[:2] if quantized else (None, None)
-            sk = extra_in[-1] if sinks is not None else None
-            return fn(q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, sm_scale=sm_scale,
-                      sliding_window=sliding_window, soft_cap=soft_cap, k_scales=ks, v_scales=vs, sinks=sk)
-        extra = ((k_scales, v_scales) if quantized else ()) + (() if sinks is None else (sinks,))
-        extra_specs = (scales,) * (2 if quantized else 0) + (() if sinks is None else (sink_spec,))
+        def inner(q, k_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *extra_in):
+            opt = {name: None for name in named} | dict(zip(present, extra_in))
+            v = opt.pop("v_pages")
+            return fn(q, k_pages, v, seq_lens, cu_q_lens, page_tables, num_seqs, sm_scale=sm_scale,
+                      sliding_window=sliding_window, soft_cap=soft_cap, v_head_dim=v_head_dim, **opt)
         return jax.shard_map(inner, mesh=mesh,
-                             in_specs=(heads, pages, pages, meta, meta, meta, meta) + extra_specs,
+                             in_specs=(heads, pages, meta, meta, meta, meta) + tuple(named[n][1] for n in present),
                              out_specs=heads, check_vma=False)(
-            q, k_pages, v_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *extra)
+            q, k_pages, seq_lens, cu_q_lens, page_tables, num_seqs, *(named[n][0] for n in present))
 
     wrapped.__name__ = f"shard_map_{getattr(fn, '__name__', 'attention')}"
     return wrapped

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.parallel import sharding
 from jaxserve.core.config import ModelConfig
 from jaxserve.core.layer_kinds import MoEConfig
-from jaxserve.model.moe import ExpertStack, experts_forward, grouped_matmul, moe_mlp, route, shared_expert
+from jaxserve.model.moe import ExpertStack, expert_stack, experts_forward, grouped_matmul, moe_mlp, route, shared_expert
 from jaxserve.model.weights import LayerWeights, logical_dims
 
 MoEFn = Callable[[LayerWeights, jax.Array, MoEConfig], jax.Array]
@@ -91,11 +91,12 @@ def make_expert_parallel(mesh: Mesh, expert_axis: str, tensor_axis: str | None =
             x = jnp.pad(x, ((0, pad), (0, 0)))
         col, row = P(expert_axis, None, tensor_axis), P(expert_axis, tensor_axis, None)
         bias = layer.choice_bias if layer.choice_bias is not None else jnp.zeros(moe.num_experts, jnp.float32)
+        stack = expert_stack(layer, x.dtype)  # quantized experts widened to the compute dtype
         out = jax.shard_map(
             lambda x, router, bias, gate, up, down: _dispatch_compute_combine(x, router, bias, gate, up, down, moe, ep,
                                                                               expert_axis, tensor_axis),
             mesh=mesh, in_specs=(P(), P(), P(), col, col, row), out_specs=P(), check_vma=False,
-        )(x, layer.router, bias, layer.we_gate, layer.we_up, layer.we_down)
+        )(x, layer.router, bias, stack.gate, stack.up, stack.down)
         out = out[: out.shape[0] - pad]
         return (out + shared_expert(layer, x[: out.shape[0]])).reshape(shape)
 

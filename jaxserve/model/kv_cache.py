@@ -94,7 +94,7 @@ def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, place
     (8-bit: with scales). Allocation, the programs' lowering and the memory plans all read it."""
     platform = placement.mesh.devices.flat[0].platform
     fused = cfg.mla is None and fused_kv(cfg.head_dim, platform)
-    width = 2 * cfg.head_dim if fused else pool_head_dim(cfg.head_dim, platform)
+    width = 2 * cfg.head_dim if fused else pool_head_dim(cfg.head_dim, platform, latent=cfg.mla is not None)
     arrays = cfg.kv_groups.num_arrays
     one_array = fused or cfg.mla is not None
     # one object per leaf: a LayerKV whose k is its v is a fused or a latent one

@@ -31,6 +31,17 @@ def dequantize_with_zero(w: Any) -> jax.Array:
     return _per_tile(jnp.multiply, _per_tile(jnp.subtract, v, w.zero_point), w.scale)
 
 
+def dense(w: Any, dtype: Any) -> Any:
+    """A weight as plain values in `dtype`: a quantized leaf dequantized (its values times the scale
+    over each tile, less the zero point), a plain one as it is. For the grouped matmuls, which take
+    plain experts: a layer's quantized experts are widened inside the step, like packed MXFP4 ones."""
+    if getattr(w, "qvalue", None) is None:
+        return w
+    if w.zero_point is not None:
+        return dequantize_with_zero(w).astype(dtype)
+    return _per_tile(jnp.multiply, w.qvalue.astype(dtype), w.scale.astype(dtype))
+
+
 def _gather_inputs(equation: str, x: jax.Array, perm: jax.Array) -> jax.Array:
     """x with its contracted (trailing) axes, flattened, reordered by perm."""
     lhs, rest = equation.split(",")

@@ -6,10 +6,12 @@ q_h . k_h = (q_nope_h W_uk[h]^T) . c + q_rope_h . k_r, the up-projection W_uk is
 query: head h attends with q_abs_h = [q_nope_h W_uk[h]^T, q_rope_h] ([L + R]) over the latent rows
 [c, k_r] as MQA's single K head, with the rows' first L lanes as its values, and W_uv is applied to
 its output. So the cache holds L + R numbers per token and layer whatever the head count, and every
-ragged paged attention backend serves it as a one-KV-head attention of head_dim L + R (the V lanes
-past L, p @ k_r, are dropped). The latent is broadcast to cfg.num_kv_heads copies: 1, or the model
-axis's width when tensor parallelism duplicates KV heads (parallel/kv_heads.py), so that each
-device holds the whole latent next to its own query heads.
+ragged paged attention backend serves it as a one-KV-head attention of head_dim L + R whose values
+are read from the same rows (`v_pages=None, v_head_dim=L`: each latent page read once; model/paged.py).
+An `attend` that is given the latent as V too returns L + R lanes; the ones past L are dropped. The
+latent is broadcast to cfg.num_kv_heads copies: 1, or the model axis's width when tensor parallelism
+duplicates KV heads (parallel/kv_heads.py), so that each device holds the whole latent next to its
+own query heads.
 
 The expanded form (K and V up-projected per head, attention at head_dim Dqk) computes the same
 numbers with fewer FLOPs for long prefills; this file serves both kinds of rows absorbed.

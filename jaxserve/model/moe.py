@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxserve.core.layer_kinds import MoEConfig
-from jaxserve.model.matmul import einsum
+from jaxserve.model.matmul import dense, einsum
 from jaxserve.model.weights import LayerWeights
 from jaxserve.quant.mxfp4 import as_dense
 
@@ -168,8 +168,9 @@ class ExpertStack:
 
 
 def expert_stack(layer: LayerWeights, dtype: Any) -> ExpertStack:
-    """A layer's experts; packed MXFP4 ones become the compute dtype here, inside the step."""
-    return ExpertStack(*(as_dense(w, dtype) for w in (layer.we_gate, layer.we_up, layer.we_down)),
+    """A layer's experts; packed MXFP4 and quantized (fp8 blocks, int8, int4) ones become the compute
+    dtype here, inside the step."""
+    return ExpertStack(*(dense(as_dense(w, dtype), dtype) for w in (layer.we_gate, layer.we_up, layer.we_down)),
                        layer.be_gate, layer.be_up)
 
 

@@ -54,7 +54,10 @@ class MtpConfig:
             raise ValueError(f"--speculative-config method 'mtp' needs a checkpoint with MTP layers "
                              f"({', '.join(MTP_FAMILIES)}); {target.architecture} has none")
         moe = None if target.moe is None else dataclasses.replace(target.moe, layers=(True,))
-        layer = dataclasses.replace(target, num_layers=1, layers=target.layers[-1:], moe=moe, single_kv_group=True)
+        # held in the compute dtype whatever the target's quantization (an fp8 checkpoint's MTP layer is widened at
+        # load: checkpoints/mtp.py): one layer
+        layer = dataclasses.replace(target, num_layers=1, layers=target.layers[-1:], moe=moe, single_kv_group=True,
+                                    quantization=None)
         return cls(layer=layer, target_layers=target.num_layers)
 
 

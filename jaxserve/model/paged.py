@@ -66,14 +66,16 @@ def paged_attend(cfg: ModelConfig, arrays: Any, attention_fn: Callable[..., jax.
         pool[a] = layer_kv
         # a TPU pool's heads may be wider than q's (kv_groups.pool_head_dim: zero lanes) or hold K
         # and V side by side (fused_kv): q, zero in the rest, reads only K; the output's lanes
-        # that p @ v filled are the V lanes
+        # that p @ v filled are the V lanes. A latent row is read once, as K and as its first
+        # kv_lora_rank lanes of values (the kernels' v_pages=None).
         head_dim = q.shape[-1]
         lanes = slice(head_dim, 2 * head_dim) if layer_kv.fused and not latent else slice(0, head_dim)
-        out = attention_fn(kv_cache.pad_lanes(q, layer_kv.k.shape[-1]), layer_kv.k, layer_kv.v, arrays.seq_lens,
-                           arrays.cu_q_lens, page_tables, arrays.num_seqs, sm_scale=cfg.scale,
+        values = {"v_head_dim": cfg.mla.kv_lora_rank} if latent else {}
+        out = attention_fn(kv_cache.pad_lanes(q, layer_kv.k.shape[-1]), layer_kv.k, None if latent else layer_kv.v,
+                           arrays.seq_lens, arrays.cu_q_lens, page_tables, arrays.num_seqs, sm_scale=cfg.scale,
                            sliding_window=cfg.layer_windows[i], soft_cap=cfg.attn_soft_cap,
                            **({} if sinks is None else {"sinks": sinks.astype(jnp.float32)}),  # [Hq]
-                           k_scales=layer_kv.k_scales, v_scales=layer_kv.v_scales)
+                           k_scales=layer_kv.k_scales, v_scales=None if latent else layer_kv.v_scales, **values)
         return out[..., lanes], None
 
     return attend

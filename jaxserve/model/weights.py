@@ -105,9 +105,6 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
     hq, hkv, vp = cfg.num_heads, cfg.num_kv_heads, padded_vocab(cfg)
 
     quant = cfg.quantization
-    if quant is not None and (cfg.moe is not None or cfg.mla is not None):
-        raise ValueError(f"quantized weights of a {'latent-attention' if cfg.mla else 'mixture-of-experts'} model "
-                         "are not supported yet; serve it unquantized")
 
     def p(shape, axes, init="normal"):
         return ParamSpec(tuple(shape), dtype, tuple(axes), init)
@@ -124,13 +121,20 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
             return dict(q_norm=p([hd], ["head_dim"], unit), k_norm=p([hd], ["head_dim"], unit))
         return {}
 
-    def proj(shape, axes, contract, name, quantize=True):
-        """A projection: quantized under cfg.quantization, plain otherwise."""
+    def proj(shape, axes, contract, name, quantize=True, plain_if_untiled=False):
+        """A projection: quantized under cfg.quantization, plain otherwise. plain_if_untiled: a
+        checkpoint's blocks that do not tile this layout leave it plain (the loader widens it:
+        checkpoints/quantized.py `widened`) instead of being an error."""
         spec = ParamSpec(tuple(shape), dtype, tuple(axes), "normal", tuple(contract))
         if quant is None or not quantize:
             return spec
         from jaxserve.model.quant_layout import declare
-        return declare(spec, quant, dtype, name)
+        try:
+            return declare(spec, quant, dtype, name)
+        except ValueError:
+            if plain_if_untiled and quant.block is not None:
+                return spec
+            raise
 
     def layer(i: int) -> LayerWeights:
         if cfg.moe is not None and cfg.moe.layers[i]:
@@ -140,10 +144,12 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
 
     def experts() -> dict[str, ParamSpec]:
         e, fe, fs = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.moe.shared_size
+        # the router stays in the compute dtype (quantized checkpoints keep it so); expert stacks are
+        # quantized per expert, a scale tile never straddling two experts
         leaves = dict(router=p([d, e], ["embed", None]),
-                      we_gate=p([e, d, fe], ["expert", "embed", "expert_mlp"]),
-                      we_up=p([e, d, fe], ["expert", "embed", "expert_mlp"]),
-                      we_down=p([e, fe, d], ["expert", "expert_mlp", "embed"]))
+                      we_gate=proj([e, d, fe], ["expert", "embed", "expert_mlp"], [1], "experts.gate_proj"),
+                      we_up=proj([e, d, fe], ["expert", "embed", "expert_mlp"], [1], "experts.up_proj"),
+                      we_down=proj([e, fe, d], ["expert", "expert_mlp", "embed"], [1], "experts.down_proj"))
         if cfg.moe.expert_format == "mxfp4":  # packed as published: [E, out, in / 32, 16] bytes
             def packed(out: int, inputs: int, out_axis: str | None, in_axis: str | None) -> Mxfp4:
                 return Mxfp4(blocks=ParamSpec((e, out, inputs // BLOCK, BLOCK // 2), jnp.uint8,
@@ -161,33 +167,47 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
             leaves.update(be_gate=p([e, fe], ["expert", "expert_mlp"], "zeros"),
                           be_up=p([e, fe], ["expert", "expert_mlp"], "zeros"), be_down=p([e, d], ["expert", None], "zeros"))
         if fs:  # a dense MLP beside the experts: split like the dense MLP in every layout
-            leaves.update(ws_gate=p([d, fs], ["embed", "mlp"]), ws_up=p([d, fs], ["embed", "mlp"]),
-                          ws_down=p([fs, d], ["mlp", "embed"]))
+            leaves.update(ws_gate=proj([d, fs], ["embed", "mlp"], [0], "shared_experts.gate_proj"),
+                          ws_up=proj([d, fs], ["embed", "mlp"], [0], "shared_experts.up_proj"),
+                          ws_down=proj([fs, d], ["mlp", "embed"], [0], "shared_experts.down_proj"))
         return leaves
 
     def latent_attention() -> dict[str, ParamSpec | None]:
+        """Quantized like any projection where a scheme's tiles fit; a block format's 128-row blocks
+        straddle DeepSeek's 192-row heads (q_b_proj) and end past its 576 latent rows (kv_a_proj_with_mqa):
+        those stay plain, widened at load. W_uk / W_uv (kv_b_proj, split at load) are always plain: the
+        absorbed form multiplies them into queries and outputs per head."""
         m = cfg.mla
-        heads = lambda width, first: p([first, hq, width], [None if first != d else "embed", "q_heads", None])  # noqa: E731
-        q = (dict(wq=heads(m.qk_head_dim, d)) if m.q_lora_rank is None else
-             dict(wq_a=p([d, m.q_lora_rank], ["embed", None]), q_a_norm=p([m.q_lora_rank], [None], unit),
-                  wq=heads(m.qk_head_dim, m.q_lora_rank)))
-        return dict(q, wk=None, wv=None, wkv_a=p([d, m.latent_dim], ["embed", None]),
+        def heads(width, first, name=None):
+            axes, contract = [None if first != d else "embed", "q_heads", None], [0]
+            if name is None:
+                return p([first, hq, width], axes)
+            return proj([first, hq, width], axes, contract, name, plain_if_untiled=True)
+        q = (dict(wq=heads(m.qk_head_dim, d, "q_proj")) if m.q_lora_rank is None else
+             dict(wq_a=proj([d, m.q_lora_rank], ["embed", None], [0], "q_a_proj", plain_if_untiled=True),
+                  q_a_norm=p([m.q_lora_rank], [None], unit), wq=heads(m.qk_head_dim, m.q_lora_rank, "q_b_proj")))
+        return dict(q, wk=None, wv=None,
+                    wkv_a=proj([d, m.latent_dim], ["embed", None], [0], "kv_a_proj_with_mqa", plain_if_untiled=True),
                     kv_a_norm=p([m.kv_lora_rank], [None], unit), w_uk=heads(m.qk_nope_head_dim, m.kv_lora_rank),
-                    w_uv=heads(m.v_head_dim, m.kv_lora_rank), wo=p([hq, m.v_head_dim, d], ["q_heads", None, "embed"]))
+                    w_uv=heads(m.v_head_dim, m.kv_lora_rank),
+                    wo=proj([hq, m.v_head_dim, d], ["q_heads", None, "embed"], [0, 1], "o_proj", plain_if_untiled=True))
 
     def dense() -> LayerWeights:
         """A layer with a dense MLP: its attention per-head K/V projections, or latent attention."""
         if cfg.mla is not None:
-            return dataclasses.replace(kv_heads_layer(), **latent_attention())
+            return dataclasses.replace(kv_heads_layer(attention=False), **latent_attention())
         return kv_heads_layer()
 
-    def kv_heads_layer() -> LayerWeights:
+    def kv_heads_layer(attention: bool = True) -> LayerWeights:
+        """A layer with per-head K/V projections (attention=False: without them, for latent attention's)."""
+        def attn(shape, axes, contract, name):
+            return proj(shape, axes, contract, name) if attention else None
         return LayerWeights(
             attn_norm=p([d], ["embed"], unit) if pre else None,
-            wq=proj([d, hq, hd], ["embed", "q_heads", "head_dim"], [0], "q_proj"),
-            wk=proj([d, hkv, hd], ["embed", "kv_heads", "head_dim"], [0], "k_proj"),
-            wv=proj([d, hkv, hd], ["embed", "kv_heads", "head_dim"], [0], "v_proj"),
-            wo=proj([hq, hd, d], ["q_heads", "head_dim", "embed"], [0, 1], "o_proj"),
+            wq=attn([d, hq, hd], ["embed", "q_heads", "head_dim"], [0], "q_proj"),
+            wk=attn([d, hkv, hd], ["embed", "kv_heads", "head_dim"], [0], "k_proj"),
+            wv=attn([d, hkv, hd], ["embed", "kv_heads", "head_dim"], [0], "v_proj"),
+            wo=attn([hq, hd, d], ["q_heads", "head_dim", "embed"], [0, 1], "o_proj"),
             mlp_norm=p([d], ["embed"], unit) if pre else None,
             post_attn_norm=p([d], ["embed"], unit) if post else None,
             post_mlp_norm=p([d], ["embed"], unit) if post else None,

@@ -45,3 +45,16 @@ def test_cpu_kernel_against_the_tiled_baseline_runs_and_matches(capsys):
     assert kernel_bench.main(argv) == 0
     out = capsys.readouterr().out
     assert "kernel: cpu vs tiled" in out and "all kernel outputs match the tiled" in out
+
+
+def test_latent_rows_are_counted_once_and_the_latent_run_matches(capsys):
+    """--latent L: a latent row's bytes once (its values are its own lanes), out in L lanes; the tiled
+    path reading the rows as values matches the reference given the same pages as K and V."""
+    case = kernel_bench.BenchCase("t", q_lens=(1, 3), ctx_lens=(10, 5))
+    nbytes = kernel_bench.bytes_moved(case, num_q_heads=4, num_kv_heads=1, head_dim=48, itemsize=2, latent=32)
+    assert nbytes == (10 + 5) * 1 * 48 * 2 + (1 + 3) * 4 * (48 + 32) * 2
+    argv = ["--quick", "--backend", "tiled", "--dtypes", "float32", "--iters", "1", "--copy-mib", "1",
+            "--q-heads", "8", "--kv-heads", "1", "--head-dim", "48", "--latent", "32"]
+    assert kernel_bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "values the key rows' first 32 lanes" in out and "all kernel outputs match the reference" in out

@@ -27,13 +27,15 @@ from rpa_cases import assert_close, fresh_rng, make_case, scramble_padding
 
 from jaxserve.planning import gpu_target
 from kernels_pallas._checks import next_power_of_two
-from kernels_pallas.ragged_paged_attention_gpu import (
+from kernels_pallas.gpu_blocks import (
+    MAX_ACCUMULATOR_VALUES,
     MAX_SHARED_MEMORY,
     choose_blocks,
-    ragged_paged_attention_gpu,
+    lane_parts,
     shared_memory_bytes,
     supports,
 )
+from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from kernels_pallas.ragged_paged_attention_reference import ragged_paged_attention_reference
 
 # --- the shapes ---------------------------------------------------------------------------
@@ -118,20 +120,41 @@ def test_default_blocks_fit_shared_memory(dtype):
         if stages == 3 and g > 64:
             continue
         gp = next_power_of_two(g)
-        bq, bk = choose_blocks(num_tokens=t, max_seqs=s, group_p=gp, head_dim=d, page_size=ps,
-                               itemsize=itemsize, num_stages=stages)
-        assert bq * gp >= 16 and bk >= 16, (d, g, ps, t, s, bq, bk)
-        smem = shared_memory_bytes(block_q=bq, group_p=gp, block_kv=bk, head_dim=d,
+        bq, bk, hb = choose_blocks(num_tokens=t, max_seqs=s, group_p=gp, head_dim=d, page_size=ps,
+                                   itemsize=itemsize, num_stages=stages)
+        assert bq * hb >= 16 and bk >= 16 and gp % hb == 0, (d, g, ps, t, s, bq, bk, hb)
+        smem = shared_memory_bytes(block_q=bq, group_p=hb, block_kv=bk, head_dim=d,
                                    itemsize=itemsize, num_stages=stages)
         assert smem <= MAX_SHARED_MEMORY, (d, g, ps, t, s, stages, bq, bk, smem)
+        assert bq * hb * d <= MAX_ACCUMULATOR_VALUES, (d, g, bq, hb)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_latent_rows_get_blocks_within_shared_memory_and_registers(dtype):
+    """DeepSeek-V3's latent row (576 lanes, 512 of them values, read once as K and V) for 16-128 q
+    heads a device, every page size and bucket: blocks Triton takes, within shared memory, and
+    accumulators of at most MAX_ACCUMULATOR_VALUES (128 heads: two programs of 64)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    for g, ps, (t, s), stages in itertools.product((16, 32, 64, 128), (16, 32, 64, 128),
+                                                   ((16, 4), (256, 256), (8192, 256)), (1, 2)):
+        bq, bk, hb = choose_blocks(num_tokens=t, max_seqs=s, group_p=g, head_dim=576, page_size=ps,
+                                   itemsize=itemsize, num_stages=stages, v_head_dim=512, shared=True)
+        assert bq * hb >= 16 and bk >= 16 and g % hb == 0, (g, ps, t, s, bq, bk, hb)
+        assert bq * hb * 512 <= MAX_ACCUMULATOR_VALUES, (g, bq, hb)
+        smem = shared_memory_bytes(block_q=bq, group_p=hb, block_kv=bk, head_dim=576, itemsize=itemsize,
+                                   num_stages=stages, kv_blocks=1)
+        assert smem <= MAX_SHARED_MEMORY, (g, ps, t, s, stages, bq, bk, hb, smem)
 
 
 def test_supported_sizes():
-    for d in (16, 32, 64, 128, 256):
+    for d in (16, 32, 64, 128, 256, 48, 80, 96, 112, 192, 512, 576):  # one to three power-of-two parts
         assert all(supports(head_dim=d, page_size=ps) for ps in (1, 8, 16, 32, 64, 128, 256))
-    for d in (8, 24, 80, 96, 112, 192, 512):
+    assert lane_parts(576) == ((0, 512), (512, 64)) and lane_parts(80) == ((0, 64), (64, 16))
+    for d in (8, 24, 72, 120, 640, 1024):  # a part under 16 lanes, four parts, wider than a latent row
         assert not supports(head_dim=d, page_size=16)
     assert not supports(head_dim=128, page_size=24)
+    assert supports(head_dim=576, page_size=64, v_head_dim=512)
+    assert not supports(head_dim=576, page_size=64, v_head_dim=500)  # values must end on a part
 
 
 def _abstract_args(case_kw: dict, device=None):
@@ -228,9 +251,9 @@ def test_kernel_compiles_for_h100(h100, case, tmp_path):
     compiled = lowered.compile(compiler_options={"xla_dump_to": str(tmp_path)})
     seconds = time.perf_counter() - start
     smem, target = _kernel_report(tmp_path)
-    bq, bk = choose_blocks(num_tokens=case["tokens"], max_seqs=case["max_seqs"], group_p=gp,
-                           head_dim=d, page_size=ps, itemsize=jnp.dtype(dt).itemsize, num_stages=2)
-    estimate = shared_memory_bytes(block_q=bq, group_p=gp, block_kv=bk, head_dim=d,
+    bq, bk, hb = choose_blocks(num_tokens=case["tokens"], max_seqs=case["max_seqs"], group_p=gp,
+                               head_dim=d, page_size=ps, itemsize=jnp.dtype(dt).itemsize, num_stages=2)
+    estimate = shared_memory_bytes(block_q=bq, group_p=hb, block_kv=bk, head_dim=d,
                                    itemsize=jnp.dtype(dt).itemsize, num_stages=2)
     print(f"\n{_case_id(case)}: {seconds:.2f} s, block_q={bq} block_kv={bk}, "
           f"shared memory {smem} B (estimate {estimate} B), {target}")
@@ -267,23 +290,23 @@ def test_quantized_pages_compile_for_h100(h100, case, page_dtype, tmp_path):
     lowered.compile(compiler_options={"xla_dump_to": str(tmp_path)})
     smem, target = _kernel_report(tmp_path)
     itemsize = jnp.dtype(case["dtype"]).itemsize
-    bq, bk = choose_blocks(num_tokens=case["tokens"], max_seqs=case["max_seqs"], group_p=gp, head_dim=d,
-                           page_size=ps, itemsize=itemsize, num_stages=2)
-    estimate = shared_memory_bytes(block_q=bq, group_p=gp, block_kv=bk, head_dim=d, itemsize=itemsize,
-                                   num_stages=2)
+    bq, bk, hb = choose_blocks(num_tokens=case["tokens"], max_seqs=case["max_seqs"], group_p=gp, head_dim=d,
+                               page_size=ps, itemsize=itemsize, num_stages=2, page_itemsize=1)
+    estimate = shared_memory_bytes(block_q=bq, group_p=hb, block_kv=bk, head_dim=d, itemsize=itemsize,
+                                   num_stages=2, page_itemsize=1)
     assert target == "sm_90a"
     assert smem <= estimate <= MAX_SHARED_MEMORY, (smem, estimate)
 
 
 @pytest.mark.gpu_compile
 def test_unsupported_head_dim_falls_back_to_reference_on_h100(h100):
-    """head_dim 80 (not a power of two): the GPU dispatch compiles the jnp reference instead."""
+    """head_dim 72 (64 + 8: a part narrower than a dot): the GPU dispatch compiles the jnp reference."""
     import kernels_pallas
 
-    case = dict(head_dim=80, dtype=jnp.bfloat16, page_size=16, group=4, kv_heads=8, tokens=256,
+    case = dict(head_dim=72, dtype=jnp.bfloat16, page_size=16, group=4, kv_heads=8, tokens=256,
                 max_seqs=16, num_pages=256)
-    assert not supports(head_dim=80, page_size=16)
-    fn = jax.jit(lambda *a: kernels_pallas._gpu_or_reference(*a, sm_scale=80 ** -0.5))
+    assert not supports(head_dim=72, page_size=16)
+    fn = jax.jit(lambda *a: kernels_pallas._gpu_or_reference(*a, sm_scale=72 ** -0.5))
     compiled = fn.lower(*_abstract_args(case, h100)).compile()
     assert "__gpu$xla.gpu.triton" not in compiled.as_text()
 

@@ -22,12 +22,12 @@ from test_rpa_gpu_compile import _abstract_args, _kernel_report
 from test_rpa_tpu_compile import _args, _kernel_vmem, _replicated, rpa
 
 from kernels_pallas._checks import next_power_of_two
-from kernels_pallas.ragged_paged_attention_gpu import (
+from kernels_pallas.gpu_blocks import (
     MAX_SHARED_MEMORY,
     choose_blocks,
-    ragged_paged_attention_gpu,
     shared_memory_bytes,
 )
+from kernels_pallas.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 
 HEAD_DIM, GROUP, WINDOW = 64, 8, 128
 # name -> (kv heads per device, page size, tokens, max seqs, context, sliding window, page dtype)
@@ -104,14 +104,15 @@ def test_gpu_kernel_with_sinks_compiles_for_sm90(kind, case, tmp_path):
     with jax.default_device(device):  # jax 0.11's Triton lowering reads its target from the default device
         lowered = fn.lower(q, k, v, *meta, **extra)
     gp = next_power_of_two(GROUP)
-    bq, bk = choose_blocks(num_tokens=tokens, max_seqs=max_seqs, group_p=gp, head_dim=HEAD_DIM, page_size=ps,
-                           itemsize=2, num_stages=2)
+    page_itemsize = jnp.dtype(page_dtype).itemsize
+    bq, bk, hb = choose_blocks(num_tokens=tokens, max_seqs=max_seqs, group_p=gp, head_dim=HEAD_DIM, page_size=ps,
+                               itemsize=2, num_stages=2, page_itemsize=page_itemsize)
     call = next(l for l in lowered.as_text().splitlines() if "__gpu$xla.gpu.triton" in l)
-    # the sinks laid out per tile row, [KVH, block_q * Gp], reach the Triton call
-    assert f"tensor<{kvh}x{bq * gp}xf32>" in call.rsplit(" : (", 1)[1], call[-400:]
+    # the sinks laid out per program row, [KVH, Gp / head block, block_q * head block], reach the Triton call
+    assert f"tensor<{kvh}x{gp // hb}x{bq * hb}xf32>" in call.rsplit(" : (", 1)[1], call[-400:]
     lowered.compile(compiler_options={"xla_dump_to": str(tmp_path)})
     smem, target = _kernel_report(tmp_path)
-    estimate = shared_memory_bytes(block_q=bq, group_p=gp, block_kv=bk, head_dim=HEAD_DIM, itemsize=2,
-                                   num_stages=2)
+    estimate = shared_memory_bytes(block_q=bq, group_p=hb, block_kv=bk, head_dim=HEAD_DIM, itemsize=2,
+                                   num_stages=2, page_itemsize=page_itemsize)
     assert target == "sm_90a"
     assert smem <= estimate <= MAX_SHARED_MEMORY, (smem, estimate)

@@ -42,7 +42,7 @@ def test_configs_name_the_sparse_layers():
     import dataclasses
 
     from jaxserve.core.config import ModelConfig
-    from jaxserve.model.weights import abstract
+    from jaxserve.model.weights import abstract, is_quantized
     from jaxserve.quant.scheme import online_scheme
 
     base = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
@@ -55,9 +55,10 @@ def test_configs_name_the_sparse_layers():
         ModelConfig.from_hf({**base, "num_experts_per_tok": 9})
     with pytest.raises(ValueError, match="shared expert"):
         ModelConfig.from_hf({**base, "shared_expert_intermediate_size": 64})
-    quantized = dataclasses.replace(ModelConfig.from_hf(base), quantization=online_scheme("int8"))
-    with pytest.raises(ValueError, match="quantized weights of a mixture-of-experts model"):
-        abstract(quantized)
+    quantized = abstract(dataclasses.replace(ModelConfig.from_hf(base), quantization=online_scheme("int8")))
+    experts = quantized.layers[0].we_gate  # int8 per output channel of each expert: scale [E, 1, Fe]
+    assert experts.qvalue.shape == (8, 64, 32) and experts.scale.shape == (8, 1, 32)
+    assert experts.scale.axes == ("expert", None, "expert_mlp") and not is_quantized(quantized.layers[0].router)
 
 
 @pytest.mark.parametrize("rows", [10, 100])  # the CPU's loop over non-empty groups; tokamax's ragged_dot

@@ -18,7 +18,8 @@ import torch
 from safetensors.numpy import load_file
 from safetensors.torch import save_file
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # the last four: latent attention
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -49,17 +50,18 @@ def _write(src: Path, dst: Path, quantization_config: dict,
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config))
-    tensors: dict[str, torch.Tensor] = {}
     expected: dict[str, np.ndarray] = {}
-    for name, w in load_file(str(next(src.glob("*.safetensors")))).items():
-        if _is_projection(name):
-            prefix = name[: -len(".weight")]
-            stored, deq = quantize(prefix, w.astype(np.float32))
-            tensors.update({f"{prefix}.{k}": v for k, v in stored.items()})
-            expected[prefix] = deq
-        else:
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
-    save_file(tensors, str(dst / "model.safetensors"))
+    for file in sorted(src.glob("*.safetensors")):  # each file rewritten under its own name
+        tensors: dict[str, torch.Tensor] = {}
+        for name, w in load_file(str(file)).items():
+            if _is_projection(name):
+                prefix = name[: -len(".weight")]
+                stored, deq = quantize(prefix, w.astype(np.float32))
+                tensors.update({f"{prefix}.{k}": v for k, v in stored.items()})
+                expected[prefix] = deq
+            else:
+                tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+        save_file(tensors, str(dst / file.name))
     return expected
 
 
@@ -69,11 +71,14 @@ def _groups(w: np.ndarray, g: int) -> np.ndarray:
 
 
 def write_fp8_block(src: Path, dst: Path, block: int = 128) -> dict[str, np.ndarray]:
+    """Blocks of block x block; an axis that is not a multiple ends in a partial block (ceil), as
+    DeepSeek-V3 stores its 576-row kv_a_proj_with_mqa."""
     def quantize(prefix, w):
         o, i = w.shape
-        tiles = w.reshape(o // block, block, i // block, block)
-        scale = (np.abs(tiles).max(axis=(1, 3)) / 448.0).astype(np.float32)         # [O/b, I/b]
-        full = np.repeat(np.repeat(scale, block, 0), block, 1)
+        po, pi = -(-o // block) * block, -(-i // block) * block
+        tiles = np.pad(w, ((0, po - o), (0, pi - i))).reshape(po // block, block, pi // block, block)
+        scale = (np.abs(tiles).max(axis=(1, 3)) / 448.0).astype(np.float32)         # [ceil(O/b), ceil(I/b)]
+        full = np.repeat(np.repeat(scale, block, 0), block, 1)[:o, :i]
         q = torch.from_numpy(w / full).to(torch.float8_e4m3fn)
         deq = q.to(torch.float32).numpy() * full
         return {"weight": q, "weight_scale_inv": torch.from_numpy(scale)}, deq

@@ -234,3 +234,20 @@ def test_a_two_way_model_axis_equals_one_device(deepseek):
     drafts = record_proposals(core)
     assert run_all(core, _requests("r")) == expected
     assert drafts == one_drafts and len(drafts) >= 10
+
+
+def test_an_fp8_checkpoint_s_mtp_layer_is_widened_and_speculation_stays_lossless(deepseek, tmp_path):
+    """DeepSeek-V3 as published, in fp8 blocks with its MTP layer quantized too: the head holds that
+    layer widened to the compute dtype (checkpoints/mtp.py), and speculation over the fp8 decoder
+    gives the fp8 decoder's own greedy outputs."""
+    from quant.formats import write_fp8_block  # tests/quant/
+
+    path = deepseek[0]
+    write_fp8_block(path, tmp_path / "fp8", block=8)
+    cfg, weights = load_model(tmp_path / "fp8", make_mesh(1, 1))
+    assert cfg.quantization.method == "fp8-block"
+    expected = run_all(make_core(cfg, weights, max_model_len=64), _requests("q"))
+    core = make_core(cfg, weights, max_model_len=64, speculative_config=_spec(tmp_path / "fp8"))
+    assert run_all(core, _requests("q")) == expected
+    assert core.scheduler.spec_stats.num_draft_tokens > 0
+    assert core.runner.compilations_after_warmup == 0
