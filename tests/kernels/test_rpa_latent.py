@@ -3,7 +3,7 @@ latent row per token, read once as K and, its first kv_lora_rank lanes, as V.
 
 Every backend against a numpy oracle whose V is K's leading lanes (interpreters for the TPU and GPU
 kernels), at tiny shapes whose rows split into two lane parts on the GPU (32 + 16, as 512 + 64 does);
-then both kernels compiled for their targets at DeepSeek-V3's shapes (128 heads over 1 or 8 devices,
+then both kernels compiled for their targets (v5e, v6e, v5p; H100, H200) at DeepSeek-V3's shapes (128 heads over 1 or 8 devices,
 a latent row of 512 + 64, pages of 16-128 tokens, bf16 and fp8 latents), reading the latent pages
 as one operand.
 """
@@ -162,8 +162,11 @@ def _latent_pages(q, page_dtype, page_size, head_dim, sharding, num_pages=2048):
     return pages, scales
 
 
-@pytest.mark.parametrize("target", ["v6e", "v5p"])
-@pytest.mark.parametrize("case", DEEPSEEK_CASES, ids=[c[0] for c in DEEPSEEK_CASES])
+# every case on v6e and v5p, the decode ones on v5e too (16 GiB chips: the model spans many)
+TPU_CASES = [(t, c) for t in ("v6e", "v5p") for c in DEEPSEEK_CASES] + [("v5e", c) for c in DEEPSEEK_CASES[:3]]
+
+
+@pytest.mark.parametrize("target,case", TPU_CASES, ids=[f"{t}-{c[0]}" for t, c in TPU_CASES])
 def test_latent_attention_compiles_for_tpu_within_vmem(target, case):
     """The Mosaic kernel over a TPU pool's latent rows (576 lanes stored in 640: kv_groups.pool_head_dim,
     latent), values their first 512 lanes: one page operand (a single DMA stream), in VMEM within the
@@ -203,18 +206,18 @@ def test_shared_values_need_half_the_tpu_page_buffers():
     assert separate - shared >= page_buffers
 
 
-@pytest.fixture(scope="module")
-def h100():
-    return gpu_target.gpu_devices("h100", "1x1x1")[0]
+# every case on an H100, two on an H200 (the same sm_90a; its own compile-only target)
+GPU_CASES = [("h100", c) for c in DEEPSEEK_CASES] + [("h200", c) for c in DEEPSEEK_CASES[1::2]]
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("case", DEEPSEEK_CASES, ids=[c[0] for c in DEEPSEEK_CASES])
-def test_latent_attention_compiles_for_h100(h100, case, tmp_path):
+@pytest.mark.parametrize("kind,case", GPU_CASES, ids=[f"{k}-{c[0]}" for k, c in GPU_CASES])
+def test_latent_attention_compiles_for_sm90(kind, case, tmp_path):
     """The Triton kernel over latent rows of 576 lanes (512 + 64 parts), values the first 512: sm_90a,
     within its shared-memory estimate, accumulators within MAX_ACCUMULATOR_VALUES."""
     name, heads, ps, page_dtype, tokens, max_seqs, context = case
-    sharding = SingleDeviceSharding(h100)
+    device = gpu_target.gpu_devices(kind, "1x1x1")[0]
+    sharding = SingleDeviceSharding(device)
     head_dim = KV_LORA_RANK + ROPE_DIM
 
     def sds(shape, dtype):
@@ -228,7 +231,7 @@ def test_latent_attention_compiles_for_h100(h100, case, tmp_path):
     fn = jax.jit(lambda q, k, *m, **kw: gpu.ragged_paged_attention_gpu(
         q, k, None, *m, sm_scale=0.1, v_head_dim=KV_LORA_RANK, **kw))
     start = time.perf_counter()
-    with jax.default_device(h100):
+    with jax.default_device(device):
         lowered = fn.lower(q, pages, *meta, **extra)
     compiled = lowered.compile(compiler_options={"xla_dump_to": str(tmp_path)})
     smem, target = _kernel_report(tmp_path)
