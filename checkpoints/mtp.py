@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from checkpoints import quantized
-from checkpoints.hf import _get, _header, _iter_tensors, _safetensors_files, resolve_model_dir
+from checkpoints.hf import _gathered_experts, _get, _header, _iter_tensors, _safetensors_files, resolve_model_dir
 from checkpoints.hf_names import name_table, unfused
 from jaxserve.core.config import ModelConfig
 from jaxserve.model import mtp
@@ -78,12 +78,9 @@ def load_mtp(model: str | Path, target: ModelConfig, mesh: Mesh, dtype: Any = jn
             raise ValueError(f"MTP tensor {name!r} has shape {tuple(raw.shape)} (as {host.shape} after layout), "
                              f"expected {shape} from config.json")
         if expert is not None:
-            stack = experts.setdefault(leaf, {})
-            stack[expert] = host
-            if len(stack) < spec.shape[0]:
+            host = _gathered_experts(experts, leaf, expert, host, spec.shape[0])
+            if host is None:
                 continue
-            host = np.stack([stack[e] for e in range(spec.shape[0])])
-            del experts[leaf]
         out[leaf] = jax.device_put(host.astype(jnp.dtype(spec.dtype)), placement)
     wanted = {path[:2] if len(path) == 3 else path for path, _ in table.values()}
     missing = sorted(".".join(map(str, p)) for p in wanted - set(out))
