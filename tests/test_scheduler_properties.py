@@ -80,10 +80,14 @@ def run_alone(setup: Setup, request: Request) -> dict[int, list[int]]:
 class Harness:
     """Drives a Scheduler and keeps an independent shadow of what every sample has emitted."""
 
-    def __init__(self, setup: Setup, async_mode: bool = False) -> None:
+    def __init__(self, setup: Setup, async_mode: bool = False, steady: bool = True) -> None:
         self.setup = setup
         self.async_mode = async_mode
         self.s = make(setup)
+        self.s.steady_decodes = steady
+        # what each step planned and emitted, row order aside (test_steady_decodes_...)
+        self.history: list[tuple] = []
+        self.steady_rows = 0  # rows planned as DecodeRows
         self.requests: dict[str, Request] = {}
         self.outputs: dict[tuple[str, int], list[int]] = {}
         self.terminal: dict[tuple[str, int], list[FinishReason]] = {}
@@ -166,6 +170,12 @@ class Harness:
         dsts = [d for _, d in plan.copies]
         targets = {t[c.start_pos // ps] for c in plan.chunks if c.start_pos % ps for t in c.group_page_tables or [c.page_table]}
         assert len(set(dsts)) == len(dsts) and set(dsts) <= targets
+        self.steady_rows += len(plan.decodes)
+        self.history.append(("plan", sorted((c.seq_id, c.start_pos, tuple(c.token_ids), c.sample, c.lora_slot,
+                                             tuple(tuple(t) for t in c.group_page_tables or [c.page_table]))
+                                            for c in plan.chunks),
+                             plan.num_tokens, plan.num_samples, plan.wants_logprobs, sorted(plan.copies),
+                             plan.preempted, plan.demotions, plan.promotions, alloc.num_free_pages))
         for e in plan.finished:
             assert e.finish_reason is FinishReason.ABORT and e.token_id is None
             self.terminal[(e.request_id, e.sample_index)].append(e.finish_reason)
@@ -210,7 +220,9 @@ class Harness:
                     if not self.terminal[owner[seq_id]] and owner[seq_id] not in self.cut_applied]
         events = self.s.update(plan, SampledRows([token for _, token in sampled]))
         alloc.check_invariants()
-        assert [((e.request_id, e.sample_index), e.token_id) for e in events] == expected
+        assert sorted(((e.request_id, e.sample_index), e.token_id) for e in events) == sorted(expected)
+        self.history.append(("events", sorted(dataclasses.astuple(e) for e in events), alloc.num_free_pages,
+                             len(alloc._cached)))
         for e in events:
             key = (e.request_id, e.sample_index)
             assert not self.terminal[key], f"{key} emitted after its finish"
@@ -261,8 +273,8 @@ ops = st.lists(st.one_of(
 ), min_size=4, max_size=40)
 
 
-def play(setup: Setup, operations: list[tuple], async_mode: bool = False) -> Harness:
-    h = Harness(setup, async_mode)
+def play(setup: Setup, operations: list[tuple], async_mode: bool = False, steady: bool = True) -> Harness:
+    h = Harness(setup, async_mode, steady)
     for k, op in enumerate(operations):
         if op[0] == "submit":
             _, prefix, plen, tail, max_tokens, n, salt, priority, min_tokens, ignore_eos = op
@@ -291,6 +303,31 @@ def play(setup: Setup, operations: list[tuple], async_mode: bool = False) -> Har
 @given(setup=setups, operations=ops, async_mode=st.booleans())
 def test_random_workloads_keep_every_invariant(setup: Setup, operations: list[tuple], async_mode: bool) -> None:
     play(setup, operations, async_mode)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(setup=setups, operations=ops, async_mode=st.booleans())
+def test_steady_decodes_plan_and_emit_what_the_general_path_does(setup: Setup, operations: list[tuple],
+                                                                 async_mode: bool) -> None:
+    """The DecodeRows columns are a faster form of the same plan: with them on and off, every step
+    schedules the same chunks (row order aside), copies, preemptions and host-tier moves, and every
+    update emits the same events and leaves the same pages free and cached."""
+    steady = play(setup, operations, async_mode)
+    general = play(setup, operations, async_mode, steady=False)
+    assert general.steady_rows == 0
+    assert steady.history == general.history
+
+
+def test_steady_decodes_carry_most_rows_of_a_decode_heavy_run():
+    """The columns are what runs: a batch of long decodes is planned almost entirely as DecodeRows
+    (a row leaves them only at a page boundary, its first decode, and its last)."""
+    setup = Setup(page_size=4, num_pages=64, max_num_seqs=4, budget=16, policy="fcfs", caching=True)
+    operations = [("submit", 0, 8, [i + 1], 24, 1, None, 0, 0, True) for i in range(4)] + [("step", 4)]
+    for async_mode in (False, True):
+        h = play(setup, operations, async_mode)
+        rows = sum(len(entry[1]) for entry in h.history if entry[0] == "plan")
+        assert h.steady_rows >= rows * 0.6, (h.steady_rows, rows)
 
 
 @pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])

@@ -43,10 +43,17 @@ class TokenEvent:
     sample_index: int
     token_id: int | None
     logprob: float | None
-    top_logprobs: list[tuple[int, float]] | None
+    # the most likely ids and their logprobs, as the sampler's two parallel lists (no pair per
+    # alternative is built on the engine thread: top_logprobs pairs them for the reader)
+    top: tuple[list[int], list[float]] | None
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_prompt_tokens: int
+
+    @property
+    def top_logprobs(self) -> list[tuple[int, float]] | None:
+        """[(id, logprob)] of the most likely ids, most likely first; None without logprobs."""
+        return None if self.top is None else list(zip(*self.top))
 
 
 class SequenceStatus(enum.Enum):
@@ -89,6 +96,19 @@ class Sequence:
     lora_slot: int = -1                # multi-LoRA: the device slot it pins while admitted (-1: none)
     # admission: (num_tokens, prefix-cache page keys of its tokens) while it waits at the head of the line
     prefix_keys: tuple[int, list[bytes]] | None = None
+    # The scheduler's per-step shortcuts (engine/scheduler.py, engine/updates.py): positions below
+    # decode_until lie in a page held and private to the sequence (a decode there needs no growth;
+    # reset when its pages are shared or freed); no page of it fills before min(computed, known
+    # tokens) reaches commit_at; a token outside stop_ids (the stop ids, and the EOS ids unless
+    # ignored) cannot stop it before max_len.
+    decode_until: int = 0
+    commit_at: int = 0
+    stop_ids: frozenset[int] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        params = self.request.params
+        eos = frozenset() if params.ignore_eos else frozenset(self.request.eos_token_ids)
+        self.stop_ids = eos | frozenset(params.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

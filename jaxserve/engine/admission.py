@@ -121,6 +121,7 @@ class Admission:
     def _maybe_fork(self, leader: Sequence) -> None:
         if leader.pending_siblings and leader.num_computed_tokens == leader.num_prompt_tokens - 1:
             self._commit(leader)  # async: the prefill's update may still be pending; forks copy the keys
+            leader.decode_until = 0  # its pages are shared from here: the next write copies
             for sib in leader.pending_siblings:
                 self.allocator.fork(leader.seq_id, sib.seq_id)
                 sib.num_computed_tokens = leader.num_computed_tokens
@@ -144,12 +145,16 @@ class Admission:
         """Frees the victim's pages and sends it back to the front of the waiting queue to be
         recomputed (prompt + generated tokens prefilled again; nothing is emitted twice). A leader
         whose samples have not forked yet goes back with them."""
-        chunk = st.scheduled.pop(victim.seq_id, None)
-        if chunk is not None:  # already scheduled this step: take it back
-            st.plan.chunks.remove(chunk)
-            st.budget += len(chunk.token_ids)
-            mine = set(self.allocator.held_pages(victim.seq_id))
-            st.plan.copies = [cp for cp in st.plan.copies if cp[1] not in mine]
+        if victim.seq_id in st.scheduled:  # already scheduled this step: take it back
+            chunk = st.scheduled.pop(victim.seq_id)
+            if chunk is None:  # a steady decode: one token, no copies
+                st.plan.decodes.remove(victim)
+                st.budget += 1
+            else:
+                st.plan.listed.remove(chunk)
+                st.budget += len(chunk.token_ids)
+                mine = set(self.allocator.held_pages(victim.seq_id))
+                st.plan.copies = [cp for cp in st.plan.copies if cp[1] not in mine]
         unit = [victim, *victim.pending_siblings]
         for seq in unit:
             if self.allocator.has_sequence(seq.seq_id):
@@ -158,7 +163,7 @@ class Admission:
                 else:
                     self.allocator.forget(seq.seq_id)
             self._release_lora(seq)
-            seq.num_computed_tokens = 0
+            seq.num_computed_tokens = seq.decode_until = seq.commit_at = 0
             seq.status = SequenceStatus.WAITING
             self._running.remove(seq)
             self._released.append(seq)

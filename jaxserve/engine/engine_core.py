@@ -286,8 +286,8 @@ class EngineCore:
         if not self.engine_cfg.async_scheduling:
             plan = self._schedule()
             events = list(plan.finished)
-            self.stalled = not plan.chunks
-            if plan.chunks:
+            self.stalled = not plan.num_seqs
+            if plan.num_seqs:
                 events += self._complete(self._dispatch(plan, None))
             return events
         prev, self._inflight = self._inflight, None
@@ -298,18 +298,18 @@ class EngineCore:
             self.num_sync_steps += 1
         plan = self._schedule()
         events += plan.finished
-        if plan.chunks and prev is not None and has_constrained_rows(plan):
+        if plan.num_seqs and prev is not None and has_constrained_rows(plan):
             # A grammar's mask needs the token the previous step sampled: run this step's forward
             # now, apply the previous step while it runs, then sample with the masks.
             inputs, logits = self._dispatch_forward(plan, prev.plan)
             events += self._complete(prev)
             prev = None
             self._inflight = self._dispatch_sample(plan, inputs, logits)
-        elif plan.chunks:
+        elif plan.num_seqs:
             self._inflight = self._dispatch(plan, prev.plan if prev is not None else None)
         if prev is not None:
             events += self._complete(prev)
-        self.stalled = not plan.chunks and self._inflight is None
+        self.stalled = not plan.num_seqs and self._inflight is None
         return events
 
     def _schedule(self) -> StepPlan:
@@ -349,7 +349,7 @@ class EngineCore:
         self.timings.build += t1 - t0
         self.timings.device += time.perf_counter() - t1
         self.num_prefill_tokens += sum(max(0, min(len(c.token_ids), len(c.request.prompt_token_ids) - c.start_pos))
-                                       for c in plan.chunks)
+                                       for c in plan.listed)  # DecodeRows rows decode outputs
         return inputs, logits
 
     def _dispatch_sample(self, plan: StepPlan, inputs: StepInputs, logits: Any) -> _InFlight:
@@ -374,12 +374,13 @@ class EngineCore:
         tm.update += time.perf_counter() - t1
         tm.steps += 1
         plan = step.plan
-        if plan.chunks and plan.num_tokens == len(plan.chunks) and not plan.has_drafts:
-            bucket = choose_bucket(self.runner.builder.buckets, plan.num_tokens, len(plan.chunks))[1]
-            tm.record_decode(bucket, t1 - max(step.dispatched, self._completed), len(plan.chunks),
-                             sum(c.start_pos + 1 for c in plan.chunks))
+        if plan.num_seqs and plan.num_tokens == plan.num_seqs and not plan.has_drafts:
+            bucket = choose_bucket(self.runner.builder.buckets, plan.num_tokens, plan.num_seqs)[1]
+            tm.record_decode(bucket, t1 - max(step.dispatched, self._completed), plan.num_seqs,
+                             sum(plan.decodes.positions) + len(plan.decodes)
+                             + sum(c.start_pos + 1 for c in plan.listed))
         self._completed = t1
-        self.num_generated_tokens += sum(1 for e in events if e.token_id is not None)
+        self.num_generated_tokens += len(events)  # update() emits a token with every event
         if self._spec_logged is not None and time.monotonic() - self._spec_logged[0] >= SPEC_LOG_INTERVAL:
             self._log_spec()
         return events

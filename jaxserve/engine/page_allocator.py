@@ -143,6 +143,10 @@ class PageAllocator(PrefixMatch, ShippedPages):
         """Every group's table (live lists), in group order."""
         return self._tables[seq_id]
 
+    def tables_or_empty(self, seq_id: str) -> list[list[int]]:
+        """page_tables, or one empty table once the sequence has given its pages back."""
+        return self._tables.get(seq_id) or [[]]
+
     def held_pages(self, seq_id: str) -> list[int]:
         """The pages `seq_id` holds a reference on, every group's."""
         return [p for table, lo in zip(self._tables[seq_id], self._lo[seq_id]) for p in table[lo:]]

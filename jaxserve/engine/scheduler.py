@@ -1,7 +1,10 @@
 """Continuous-batching scheduler: admission, per-step token budget, stall-free chunked prefill,
 preemption by recompute, FCFS or priority order. Pure Python; touches no arrays.
 
-One step: `schedule()` -> StepPlan -> (model runs) -> `update(plan, sampled)` -> TokenEvents.
+One step: `schedule()` -> StepPlan -> (model runs) -> `update(plan, sampled)` -> TokenEvents
+(engine/updates.py). A steady decode (an output token, no drafts, no grammar, its page already its
+own) is planned as a row of the plan's DecodeRows columns rather than a ScheduledChunk: at a large
+batch nearly every row is one, and its host work is a few reads of the sequence.
 
 Order inside a step: every running sequence with one token left (a decode) is scheduled first, one
 token each; then running sequences still prefilling continue in the leftover budget (a long prompt
@@ -44,10 +47,11 @@ import logging
 import threading
 from typing import Any, Callable
 
-from jaxserve.core.request import Sequence, SequenceStatus, TokenEvent
-from jaxserve.core.step_plan import PENDING_TOKEN, SampledRows, ScheduledChunk, StepPlan, SwapCosts, check_sampled
+from jaxserve.core.request import Sequence, SequenceStatus
+from jaxserve.core.step_plan import PENDING_TOKEN, ScheduledChunk, StepPlan, SwapCosts
 from jaxserve.engine.admission import Admission
 from jaxserve.engine.inbox import Inbox
+from jaxserve.engine.updates import Updates
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.scheduler_stats import SchedulerStats
 from jaxserve.lora.slot_table import SlotTable
@@ -64,13 +68,13 @@ _CONFIG_FIELDS = ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_mo
 class _Step:
     plan: StepPlan
     budget: int
-    scheduled: dict[str, ScheduledChunk] = dataclasses.field(default_factory=dict)
+    scheduled: dict[str, ScheduledChunk | None] = dataclasses.field(default_factory=dict)  # None: a DecodeRows row
     preempted: bool = False
     cache_hit_tokens: int = 0
     speculate: bool = False  # decodes of this step may carry drafts
 
 
-class Scheduler(Admission, Inbox):
+class Scheduler(Admission, Inbox, Updates):
     def __init__(self, engine_config: Any, allocator: PageAllocator) -> None:
         for name in _CONFIG_FIELDS:
             if not hasattr(engine_config, name):
@@ -111,6 +115,9 @@ class Scheduler(Admission, Inbox):
         self.step_limit: tuple[int, int] | None = None
         self.limited: str | None = None  # what step_limit held back in the last plan: "tokens" | "seqs"
         self.num_discarded_tokens = 0  # sampled after their sequence had finished (async scheduling)
+        # steady decodes planned as DecodeRows columns; False plans every one as a ScheduledChunk
+        # (the same plan, row order aside: the tests' oracle for the columns)
+        self.steady_decodes = True
         self._outstanding = 0  # plans with chunks scheduled and not yet updated
         self._released: list[Sequence] = []  # left the batch since the last plan with chunks (StepPlan.released)
         spec = getattr(cfg, "speculative_config", None)
@@ -184,8 +191,8 @@ class Scheduler(Admission, Inbox):
         st.speculate = self.speculation_active()
 
         # decodes first, then prefill continuations (a second pass over those the first left)
-        rest = self._schedule_running(list(self._running), st, decode_phase=True)
-        self._schedule_running(rest, st, decode_phase=False)
+        rest = self._schedule_decodes(st)
+        self._schedule_running(rest, st)
         if not st.preempted:
             self._admit(st)
         self._note_token_limit(st.budget)
@@ -193,9 +200,20 @@ class Scheduler(Admission, Inbox):
         plan = st.plan
         moves = self.allocator.drain_transfers()
         plan.demotions, plan.promotions = moves.demotions, moves.promotions
-        plan.chunks.sort(key=lambda c: len(c.token_ids) != 1)  # stable: 1-token chunks first
-        owners, seqs, num_tokens, num_samples, num_drafts = plan.owners, self._seqs, 0, 0, 0
-        for chunk in plan.chunks:
+        plan.page_tables = self.allocator.tables_or_empty
+        decodes = plan.decodes
+        top = -1  # the most logprob alternatives a row asks for
+        for seq in decodes.seqs:
+            seq.num_computed_tokens += 1
+            seq.num_inflight += 1
+            k = seq.request.params.logprobs
+            if k is not None and k > top:
+                top = k
+        plan.listed.sort(key=lambda c: len(c.token_ids) != 1)  # stable: 1-token chunks first
+        owners, seqs = plan.owners, self._seqs
+        num_tokens = num_samples = len(decodes)
+        num_drafts = 0
+        for chunk in plan.listed:
             seq = owners[chunk.seq_id] = seqs[chunk.seq_id]
             n = len(chunk.token_ids)
             num_tokens += n
@@ -205,70 +223,24 @@ class Scheduler(Admission, Inbox):
             if chunk.sample:
                 seq.num_inflight += 1
                 num_samples += chunk.num_sample_rows
-                plan.wants_logprobs |= chunk.request.params.logprobs is not None
+                k = chunk.request.params.logprobs
+                if k is not None and k > top:
+                    top = k
         plan.num_tokens, plan.num_samples, plan.num_drafts = num_tokens, num_samples, num_drafts
-        self._outstanding += bool(plan.chunks)
-        if plan.chunks:
+        plan.num_top_logprobs = top
+        self._outstanding += bool(plan.num_seqs)
+        if plan.num_seqs:
             plan.released, self._released = self._released, []
         if logger.isEnabledFor(logging.DEBUG):
-            decodes = sum(1 for c in plan.chunks if len(c.token_ids) == 1 + len(c.draft_token_ids))
-            drafts = sum(len(c.draft_token_ids) for c in plan.chunks)
+            chunks = plan.chunks
+            decodes = sum(1 for c in chunks if len(c.token_ids) == 1 + len(c.draft_token_ids))
+            drafts = sum(len(c.draft_token_ids) for c in chunks)
             logger.debug("step: running=%d waiting=%d tokens=%d (decode %d, draft %d, prefill %d) preempted=%d "
                          "cache_hit_tokens=%d free_pages=%d", len(self._running),
                          sum(len(u) for u in self._waiting), plan.num_tokens, decodes, drafts,
                          plan.num_tokens - decodes - drafts, len(plan.preempted), st.cache_hit_tokens,
                          self.allocator.num_free_pages)
         return plan
-
-    def update(self, plan: StepPlan, sampled: SampledRows) -> list[TokenEvent]:
-        """Appends the sampled tokens (one per sample row, in plan order), applies stop conditions,
-        frees finished sequences' pages and returns one TokenEvent per appended token. A chunk with
-        drafts appends its accepted run (speculative/accept.py), stopping early where a stop condition
-        holds, and its rejected drafts stop counting as computed.
-
-        Plans are updated in the order they were scheduled. A token of a sequence that finished
-        meanwhile (a stop in the previous update, an abort or finish) is discarded without an event;
-        a token of a sequence preempted meanwhile is appended and emitted as usual."""
-        check_sampled(plan, sampled)
-        self._outstanding -= bool(plan.chunks)
-        events: list[TokenEvent] = []
-        ids, logprobs, top_ids, top_lps = sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs
-        owners, row, finished = plan.owners, 0, SequenceStatus.FINISHED
-        for chunk in plan.chunks:
-            seq = owners[chunk.seq_id]
-            if not chunk.sample:  # a prefill chunk: its full pages enter the prefix cache
-                if seq.status is not finished:
-                    self._commit(seq)
-                continue
-            seq.num_inflight -= 1
-            first, drafts = row, chunk.draft_token_ids
-            row += 1 + len(drafts)
-            end = row
-            if drafts:
-                accepted = self.drafting.verified(seq, drafts, ids[first:row])
-                if seq.status is SequenceStatus.RUNNING:
-                    seq.num_computed_tokens -= len(drafts) - accepted  # rejected drafts' K/V is garbage now
-                end = first + accepted + 1
-            if seq.status is finished:
-                self.num_discarded_tokens += end - first
-                continue
-            outputs, guide, request = seq.output_token_ids, seq.guide, seq.request
-            want = request.params.logprobs
-            for r in range(first, end):
-                token = ids[r]
-                outputs.append(token)
-                if guide is not None:
-                    guide.accept(token)
-                self._commit(seq)
-                reason = seq.stop_reason(token)
-                events.append(TokenEvent(request.request_id, seq.sample_index, token,
-                                         None if want is None else logprobs[r],
-                                         list(zip(top_ids[r][:want], top_lps[r][:want])) if want else None,
-                                         reason, len(request.prompt_token_ids), seq.num_cached_prompt_tokens))
-                if reason is not None:
-                    self._retire(seq)
-                    break
-        return events
 
     def speculation_active(self) -> bool:
         """Whether the next step's decodes may carry drafts (speculative/drafting.py)."""
@@ -282,27 +254,76 @@ class Scheduler(Admission, Inbox):
 
     # ---- admission and limits ------------------------------------------------------------------
 
-    def _schedule_running(self, seqs: list[Sequence], st: _Step, decode_phase: bool) -> list[Sequence]:
-        """Schedules the sequences of `seqs` whose next chunk is a decode (decode_phase) or a
-        prefill continuation (not), in order, while the budget lasts; returns the ones it did not
-        schedule (a later pass looks at them again: a fork or a preemption may have changed them)."""
-        rest = []
-        scheduled, running = st.scheduled, SequenceStatus.RUNNING
+    def _schedule_decodes(self, st: _Step) -> list[Sequence]:
+        """Schedules, in running order while the budget lasts, every running sequence whose next
+        chunk is one token; returns the others (and those the budget left). A steady decode (an
+        output token, no drafts, no grammar, its page held and private) becomes a DecodeRows row
+        through a few reads of the sequence; the rest go through _schedule_seq."""
+        rest: list[Sequence] = []
+        seqs = self._running[:]
+        scheduled, running, d = st.scheduled, SequenceStatus.RUNNING, st.plan.decodes
+        alloc = self.allocator
+        steady, windows = self.steady_decodes and not st.speculate, alloc.has_windows
         for i, seq in enumerate(seqs):
             if st.budget == 0:
                 return rest + seqs[i:]
             if seq.status is not running or seq.fork_pending or seq.seq_id in scheduled:
                 rest.append(seq)
                 continue
+            inflight, start, outputs = seq.num_inflight, seq.num_computed_tokens, seq.output_token_ids
+            prompt_len = len(seq.request.prompt_token_ids)
+            known = prompt_len + len(outputs)
+            if inflight and known + inflight >= seq.max_len:
+                continue  # its in-flight token ends it by length: nothing more to compute
+            if seq.pending_siblings:
+                self._maybe_fork(seq)
+                if seq.target_len - seq.num_computed_tokens != 1:
+                    rest.append(seq)
+                    continue
+            elif known + inflight - start != 1:
+                rest.append(seq)  # a prefill continuation
+                continue
+            if steady and inflight <= 1 and start >= prompt_len and seq.guide is None:
+                if windows:  # pages a sliding window left go back to the pool, cached first
+                    self._commit(seq)
+                    alloc.release_window(seq.seq_id, start)
+                if not (start < seq.decode_until or self._page_held(seq, start)):
+                    self._schedule_seq(seq, st, allow_preempt=True)
+                    continue
+                scheduled[seq.seq_id] = None  # a DecodeRows row
+                d.seqs.append(seq)
+                d.positions.append(start)
+                d.token_ids.append(PENDING_TOKEN if inflight else outputs[-1])
+                d.num_outputs.append(start + 1 - prompt_len)
+                st.budget -= 1
+            else:
+                self._schedule_seq(seq, st, allow_preempt=True)
+        return rest
+
+    def _page_held(self, seq: Sequence, position: int) -> bool:
+        """Whether the page under `position` is held and private to seq (remembered until the
+        page's end: PageAllocator.writable)."""
+        if not self.allocator.writable(seq.seq_id, position):
+            return False
+        ps = self.allocator.page_size
+        seq.decode_until = (position // ps + 1) * ps
+        return True
+
+    def _schedule_running(self, seqs: list[Sequence], st: _Step) -> None:
+        """Schedules the prefill continuations of `seqs` in order while the budget lasts (a
+        decode pass ran first: a fork or a preemption since may have changed who is what)."""
+        scheduled, running = st.scheduled, SequenceStatus.RUNNING
+        for seq in seqs:
+            if st.budget == 0:
+                return
+            if seq.status is not running or seq.fork_pending or seq.seq_id in scheduled:
+                continue
             if seq.num_inflight and seq.num_tokens + seq.num_inflight >= seq.max_len:
                 continue  # its in-flight token ends it by length: nothing more to compute
             if seq.pending_siblings:
                 self._maybe_fork(seq)
-            if (seq.target_len - seq.num_computed_tokens == 1) == decode_phase:
+            if seq.target_len - seq.num_computed_tokens != 1:
                 self._schedule_seq(seq, st, allow_preempt=True)
-            else:
-                rest.append(seq)
-        return rest
 
     def _schedule_seq(self, seq: Sequence, st: _Step, allow_preempt: bool) -> None:
         """Schedules seq's next chunk within the budget, growing its pages; when the pool is dry a
@@ -345,7 +366,7 @@ class Scheduler(Admission, Inbox):
         chunk = ScheduledChunk(seq.seq_id, seq.request, seq.sample_index, token_ids + drafts if drafts else token_ids,
                                start, tables[0], stop == num_tokens + seq.num_inflight, seq.output_token_ids,
                                seq.lora_slot, drafts, tables if len(tables) > 1 else [])
-        st.plan.chunks.append(chunk)
+        st.plan.listed.append(chunk)
         if copies:
             st.plan.copies.extend(copies)
         st.scheduled[seq.seq_id] = chunk
@@ -354,40 +375,3 @@ class Scheduler(Admission, Inbox):
     def set_drafts(self, plan: StepPlan, proposals: list[list[int]]) -> None:
         """Fills the DRAFT_SLOTs of the plan's chunks with the draft's proposals (Drafting.fill_slots)."""
         Drafting.fill_slots(plan, proposals)
-
-    # ---- finishing -----------------------------------------------------------------------------
-
-    def _commit(self, seq: Sequence) -> None:
-        """Puts seq's newly completed full pages into the prefix cache: pages whose every token is
-        known and whose K/V a dispatched step computes (every scheduled step is dispatched before
-        the update that commits; a reader of the page runs in a later step, after the writer)."""
-        alloc = self.allocator
-        if seq.status is not SequenceStatus.RUNNING or not alloc.enable_prefix_caching:
-            return  # (a preempted sequence's pages are gone: has_sequence below)
-        ps = alloc.page_size
-        full = min(seq.num_computed_tokens, seq.num_tokens) // ps
-        if full and alloc.has_sequence(seq.seq_id) and full > (done := alloc.num_committed_pages(seq.seq_id)):
-            alloc.commit(seq.seq_id, seq.token_slice(done * ps, full * ps), done * ps)  # the new pages only
-
-    def _retire(self, seq: Sequence) -> None:
-        """Finished: pages released (full ones stay in the prefix cache as evictable)."""
-        if self.allocator.has_sequence(seq.seq_id):
-            self.allocator.free(seq.seq_id)
-        self._release_lora(seq)
-        self._released.append(seq)
-        if seq.status is SequenceStatus.RUNNING:
-            self._running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:  # a preempted sequence's in-flight token stopped it
-            self._waiting = collections.deque(u for u in ([s for s in unit if s is not seq] for unit in self._waiting) if u)
-        seq.status = SequenceStatus.FINISHED
-        if self._seqs.get(seq.seq_id) is seq:
-            del self._seqs[seq.seq_id]
-        request_id = seq.request.request_id
-        if all(s.status is SequenceStatus.FINISHED for s in self._requests[request_id]):
-            del self._requests[request_id]
-            del self._order[request_id]
-
-    def _release_lora(self, seq: Sequence) -> None:
-        if seq.lora_slot >= 0:
-            self.lora_slots.release(seq.lora_slot)
-            seq.lora_slot = -1

@@ -22,6 +22,7 @@ from typing import Iterable, Sequence as Seq
 import numpy as np
 
 from jaxserve.core.request import Sequence
+from jaxserve.core.step_plan import DecodeRows
 from jaxserve.runner.sampling_tensors import GREEDY_TEMPERATURE, PADDING_TEMPERATURE, seed_words
 
 # per-row sampling parameters: name -> (dtype, value of a padding row)
@@ -51,10 +52,13 @@ class _Penalty:
         self.always = self.track or bool(self.bias)  # a table every step (else only while banning)
 
 
+EMPTY_ROW = 0  # a row no sequence gets: padding's parameters and an empty table (one gather fills a step)
+
+
 class BatchRows:
     """Rows by slot; `slot(seq, ...)` finds or creates a sequence's row and refreshes its page
     entries, `release(seqs)` frees rows. Arrays grow (doubling) when more rows or wider tables are
-    needed; slots and columns are reused."""
+    needed; slots and columns are reused. Row EMPTY_ROW stays as it was made: a padding row."""
 
 
     def __init__(self, max_pages_per_seq: int, page_size: int, vocab_size: int, rows: int = 64,
@@ -194,6 +198,50 @@ class BatchRows:
             for token in pen.ban:
                 self.tab_bias[slot, pen.col[token]] = -np.inf if banning else pen.bias.get(token, 0.0)
 
+    def apply_decodes(self, decodes: DecodeRows, slots: Seq[int], prev_row: np.ndarray, table_rows: list[int],
+                      table_slots: list[int], pending: list[int], pending_src: list[int]) -> None:
+        """apply_outputs for a plan's steady decodes (sample row i, token row i, in row slots[i]),
+        in one loop: appends to table_rows / table_slots each row whose table is active and its
+        slot, and to pending / pending_src each penalty row whose last output is in flight (counted
+        on the device) and the previous step's sample row of it. Raises ValueError for a penalty
+        row whose in-flight token the previous step did not sample."""
+        penalized, penalty = self.penalized, self.penalty
+        bumps_slot, bumps_col = self._bumps
+        seen_slot, seen_col = self._seen
+        prev = prev_row[:len(slots)].tolist()
+        for r, (slot, count) in enumerate(zip(slots, decodes.num_outputs)):
+            if not penalized[slot]:
+                continue
+            pen = penalty[slot]
+            if pen.track:
+                outputs = decodes.seqs[r].output_token_ids
+                known = len(outputs)
+                if count > known:
+                    if count > known + 1 or prev[r] < 0:
+                        raise ValueError(f"{decodes.seqs[r].seq_id!r} samples with penalties over "
+                                         f"{count - known} output token(s) the previous step did not sample")
+                    pending.append(r)
+                    pending_src.append(prev[r])
+                applied = pen.applied
+                if known == applied + 1 and (col := pen.col.get(outputs[applied])) is not None:
+                    # the usual step: one new output, an id the table has
+                    if pen.count_outputs:
+                        bumps_slot.append(slot)
+                        bumps_col.append(col)
+                    if pen.rep:
+                        seen_slot.append(slot)
+                        seen_col.append(col)
+                    pen.applied = known
+                elif known > applied:
+                    for token in outputs[applied:known]:
+                        self._count(slot, pen, token)
+                    pen.applied = known
+            if pen.ban and (count < pen.min_tokens) != pen.banning:
+                self.apply_outputs(slot, (), count)  # the min_tokens ban switches
+            if pen.always or (pen.ban and count < pen.min_tokens):
+                table_rows.append(r)
+                table_slots.append(slot)
+
     def _count(self, slot: int, pen: _Penalty, token: int) -> None:
         col = pen.col.get(token)
         if col is None:
@@ -258,7 +306,7 @@ class BatchRows:
         self.tab_len = grow(self.tab_len, 0)
         self.penalty.extend([None] * (rows - old))
         self.penalized.extend([False] * (rows - old))
-        self._free.extend(range(rows - 1, old - 1, -1))  # lowest slots first
+        self._free.extend(range(rows - 1, max(old, 1) - 1, -1))  # lowest slots first; never EMPTY_ROW
 
     def fit_width(self, width: int) -> None:
         have = self.tab_ids.shape[1]

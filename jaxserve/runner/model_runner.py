@@ -259,7 +259,7 @@ class ModelRunner:
         before = CompileCounter.count()
         self._copy_pages(np.asarray(plan.copies, np.int32).reshape(-1, 2))
         plan.copies = []
-        chunks = [c for c in plan.chunks if c.draft_token_ids]
+        chunks = [c for c in plan.listed if c.draft_token_ids]  # steady decodes have none
         if self.draft is not None:
             out = self.draft.propose(chunks, [len(c.draft_token_ids) for c in chunks])
         else:

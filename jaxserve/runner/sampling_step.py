@@ -11,22 +11,26 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.core.buckets import history_bucket
-from jaxserve.core.step_plan import ScheduledChunk
-from jaxserve.runner.batch_rows import PARAMS, BatchRows
+from jaxserve.core.step_plan import DecodeRows, ScheduledChunk
+from jaxserve.runner.batch_rows import EMPTY_ROW, PARAMS, BatchRows
 from jaxserve.runner.sampling_tensors import SamplingTensors
 
 
-def sampling_step(rows: BatchRows, sampling: list[tuple[int, int, ScheduledChunk]], num_rows: int,
+def sampling_step(rows: BatchRows, decodes: DecodeRows, decode_slots: list[int],
+                  sampling: list[tuple[int, int, ScheduledChunk]], num_rows: int,
                   prev_row: np.ndarray) -> tuple[np.ndarray, SamplingTensors]:
-    """sampling: (token row just past the chunk, its row slot, chunk) of each sampling chunk in plan
-    order; prev_row: the step's [T] prev_sample_row (where an in-flight token's id is). Returns
+    """decodes: the plan's steady decodes (sample row i = token row i), in row slots decode_slots;
+    sampling: (token row just past the chunk, its row slot, chunk) of each other sampling chunk in
+    plan order; prev_row: the step's [T] prev_sample_row (where an in-flight token's id is). Returns
     ([num_rows] int32 logits_index, SamplingTensors padded to num_rows)."""
     logits_index = np.zeros(num_rows, np.int32)
-    slots: list[int] = []
-    num_out: list[int] = []
-    token_row: list[int] = []
-    tables: list[tuple[int, int, int, list[int]]] = []  # (sample row, slot, outputs before it, drafts before it)
-    pending: list[tuple[int, int]] = []                 # (sample row, previous step's row of its in-flight token)
+    nd = len(decodes)
+    slots: list[int] = decode_slots[:]
+    num_out: list[int] = decodes.num_outputs[:]
+    token_row: list[int] = list(range(nd))
+    t = _Tables()
+    if nd:
+        rows.apply_decodes(decodes, decode_slots, prev_row, t.rows, t.slots, t.pending, t.pending_src)
     penalized, penalty = rows.penalized, rows.penalty
     for end, slot, c in sampling:
         drafts = c.draft_token_ids
@@ -39,13 +43,15 @@ def sampling_step(rows: BatchRows, sampling: list[tuple[int, int, ScheduledChunk
                 if count > len(outputs) + 1 or k > 1 or prev_row[end - 1] < 0:
                     raise ValueError(f"{c.seq_id!r} samples with penalties over {count - len(outputs)} "
                                      "output token(s) the previous step did not sample")
-                pending.append((r, int(prev_row[end - 1])))  # counted on the device
+                t.pending.append(r)  # counted on the device
+                t.pending_src.append(int(prev_row[end - 1]))
             rows.apply_outputs(slot, outputs, count)
-            if k == 1 and pen.always:  # the usual row: a table every step
-                tables.append((r, slot, count, drafts))
-            else:
-                tables.extend((r + j, slot, count + j, drafts[:j]) for j in range(k)
-                              if rows.table_active(slot, count + j))
+            for j in range(k):
+                if (j == 0 and pen.always) or rows.table_active(slot, count + j):
+                    if j:  # a draft row: the drafts before it are patched into its copy of the table
+                        t.drafted.append((len(t.rows), slot, count + j, drafts[:j]))
+                    t.rows.append(r + j)
+                    t.slots.append(slot)
         if k == 1:
             slots.append(slot)
             num_out.append(count)
@@ -58,57 +64,63 @@ def sampling_step(rows: BatchRows, sampling: list[tuple[int, int, ScheduledChunk
     if n > num_rows:
         raise ValueError(f"{n} sampling rows do not fit the row bucket {num_rows}")
     logits_index[:n] = token_row
-    idx = np.array(slots, np.int64)
-    padded = {}
-    for name, (dtype, fill) in PARAMS.items():
-        a = np.full(num_rows, fill, dtype)
-        a[:n] = rows.params[name][idx]
-        padded[name] = a
-    words = np.zeros((num_rows, 2), np.uint32)
-    words[:n] = rows.seed_words[idx]
+    # every array is one gather of rows, the padding rows reading EMPTY_ROW (no scatter into a filled array)
+    idx = np.full(num_rows, EMPTY_ROW, np.int64)
+    idx[:n] = slots
+    padded = {name: rows.params[name][idx] for name in PARAMS}
+    words = rows.seed_words[idx]
     outs = np.zeros(num_rows, np.int32)
     outs[:n] = num_out
     pending_row = np.full(num_rows, -1, np.int32)
-    if pending:
-        at, row = zip(*pending)
-        pending_row[list(at)] = row
-    ids, counts, seen, bias = _tables(rows, tables, num_rows, {r for r, _ in pending})
+    if t.pending:
+        pending_row[t.pending] = t.pending_src
+    ids, counts, seen, bias = _tables(rows, t, num_rows)
     return logits_index, SamplingTensors(
         padded["temperature"], padded["top_k"], padded["top_p"], padded["min_p"], padded["repetition_penalty"],
         padded["presence_penalty"], padded["frequency_penalty"], words, outs, padded["num_logprobs"],
         ids, counts, seen, bias, padded["constrained"], pending_row)
 
 
-def _tables(rows: BatchRows, tables: list[tuple[int, int, int, list[int]]], num_rows: int,
-            pending: set[int]) -> tuple[np.ndarray, ...]:
+class _Tables:
+    """The step's sample rows whose penalty / bias table is active, as parallel lists."""
+
+    __slots__ = ("rows", "slots", "drafted", "pending", "pending_src")
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []        # sample rows with an active table, ascending
+        self.slots: list[int] = []       # their row slots
+        # draft rows among them: (index into rows, slot, outputs before it, drafts before it)
+        self.drafted: list[tuple[int, int, int, list[int]]] = []
+        self.pending: list[int] = []     # penalty rows whose last output is in flight (counted on the device)
+        self.pending_src: list[int] = []  # the previous step's sample row of that output
+
+
+def _tables(rows: BatchRows, t: _Tables, num_rows: int) -> tuple[np.ndarray, ...]:
     """[num_rows, H] ids / output counts / seen / bias of the rows whose table is active (H the
-    declared width that holds the widest, with a free column for a row whose token is in flight
-    (`pending`); 0 when none is active)."""
-    if not tables:
+    declared width that holds the widest, with a free column for a row whose token is in flight;
+    0 when none is active)."""
+    if not t.rows:
         return _empty_tables(num_rows, history_bucket(0, rows.vocab_size))
-    r_idx = np.array([t[0] for t in tables], np.int64)
-    s_idx = np.array([t[1] for t in tables], np.int64)
-    width = rows.tab_len[s_idx]  # [len(tables)] columns each row's table uses
-    if pending:  # a column for the in-flight token
+    r_idx = np.array(t.rows, np.int64)
+    s_idx = np.array(t.slots, np.int64)
+    width = rows.tab_len[s_idx]  # [len(t.rows)] columns each row's table uses
+    if t.pending:  # a column for the in-flight token
         mark = np.zeros(num_rows, np.int64)
-        mark[list(pending)] = 1
+        mark[t.pending] = 1
         width = width + mark[r_idx]
-    extensions = [rows.draft_extension(slot, drafts) if drafts else [] for _, slot, _, drafts in tables]
-    for i, ext in enumerate(extensions):
-        if ext:
-            have = rows.tab_len[tables[i][1]]
-            width[i] += len({c for c, _ in ext if c >= have})
+    extensions = [rows.draft_extension(slot, drafts) for _, slot, _, drafts in t.drafted]
+    for (i, slot, _, _), ext in zip(t.drafted, extensions):
+        have = rows.tab_len[slot]
+        width[i] += len({c for c, _ in ext if c >= have})
     h = history_bucket(int(width.max()), rows.vocab_size)
-    ids, counts, seen, bias = _empty_tables(num_rows, h)
     rows.fit_width(h)
     rows.flush()
-    ids[r_idx] = rows.tab_ids[s_idx, :h]
-    counts[r_idx] = rows.tab_counts[s_idx, :h]
-    seen[r_idx] = rows.tab_seen[s_idx, :h]
-    bias[r_idx] = rows.tab_bias[s_idx, :h]
-    for (r, slot, num_outputs, drafts), ext in zip(tables, extensions):
-        if not drafts:
-            continue
+    src = np.full(num_rows, EMPTY_ROW, np.int64)  # the rows without an active table read the empty one
+    src[r_idx] = s_idx
+    ids, counts, seen, bias = (rows.tab_ids[src, :h], rows.tab_counts[src, :h], rows.tab_seen[src, :h],
+                               rows.tab_bias[src, :h])
+    for (i, slot, num_outputs, _), ext in zip(t.drafted, extensions):
+        r = t.rows[i]
         pen = rows.penalty[slot]
         for col, token in ext:
             ids[r, col] = token

@@ -23,11 +23,11 @@ import numpy as np
 
 from jaxserve.core.buckets import choose_bucket, choose_logits_rows, declared_buckets
 from jaxserve.core.config import EngineConfig
-from jaxserve.runner.batch_rows import BatchRows
+from jaxserve.runner.batch_rows import EMPTY_ROW, BatchRows
 from jaxserve.runner.sampler import bitmask_words
 from jaxserve.runner.sampling_step import sampling_step
 from jaxserve.runner.sampling_tensors import SamplingTensors
-from jaxserve.core.step_plan import PENDING_TOKEN, ScheduledChunk, StepPlan
+from jaxserve.core.step_plan import PENDING_TOKEN, DecodeRows, ScheduledChunk, StepPlan
 from jaxserve.structured.guide import fill_bitmask
 
 
@@ -87,15 +87,22 @@ class StepInputBuilder:
         them; per chunk a few list operations, every array a vectorized gather."""
         rows = self.rows
         rows.release(plan.released)
-        chunks = plan.chunks
-        nc = len(chunks)
+        d, chunks = plan.decodes, plan.listed
+        nd = len(d)
+        nc = nd + len(chunks)
         t_bucket, s_bucket = choose_bucket(self.buckets, plan.num_tokens, nc)
         l_bucket = choose_logits_rows(self.cfg, t_bucket, s_bucket, plan.num_samples)
         owners = plan.owners
-        slot_of, lens, starts, flat = [], [], [], []
+        # the steady decodes: token row i is sequence row i, its page entries already in its row
+        try:
+            slot_of = [rows.slot_of[seq] for seq in d.seqs]
+        except KeyError as e:  # a steady decode follows a chunk of its sequence that was built
+            raise ValueError(f"{e.args[0].seq_id!r} is a steady decode without a row: "
+                             "a plan of it was not built") from None
+        lens, starts, flat = [1] * nd, d.positions[:], d.token_ids[:]
         pending: list[tuple[int, ScheduledChunk]] = []
         sampling: list[tuple[int, int, ScheduledChunk]] = []  # (token row after the chunk, slot, chunk)
-        t = 0
+        t = nd
         for c in chunks:
             ids, start = c.token_ids, c.start_pos
             n = len(ids)
@@ -116,8 +123,8 @@ class StepInputBuilder:
         token_ids = np.zeros(t_bucket, np.int32)
         token_ids[:t] = flat
         prev_row = np.full(t_bucket, -1, np.int32)
-        if pending:
-            self._pending_rows(pending, prev_plan, token_ids, prev_row)
+        if pending or PENDING_TOKEN in d.token_ids:
+            self._pending_rows(d, pending, prev_plan, token_ids, prev_row, start_arr[:nd])
         seq_of_token = np.repeat(np.arange(nc), len_arr)                # [t]
         cu = np.zeros(s_bucket + 1, np.int32)
         np.cumsum(len_arr, out=cu[1:nc + 1])
@@ -127,8 +134,9 @@ class StepInputBuilder:
         pos = start_arr[seq_of_token] + np.arange(t) - cu[seq_of_token]
         positions = np.zeros(t_bucket, np.int32)
         positions[:t] = pos
-        page_tables = np.zeros((s_bucket, self.num_groups * self.cfg.max_pages_per_seq), np.int32)
-        page_tables[:nc] = rows.pages[np.array(slot_of, np.int64)]
+        row_of_seq = np.full(s_bucket, EMPTY_ROW, np.int64)  # padding sequence rows read the empty row's zeros
+        row_of_seq[:nc] = slot_of
+        page_tables = rows.pages[row_of_seq]
         slots = np.full(t_bucket, self.pad_slot, np.int32)
         slots[:t] = page_tables[seq_of_token, pos // ps] * ps + pos % ps  # the first group's (model/paged.py)
         seq_lens = np.zeros(s_bucket, np.int32)
@@ -136,36 +144,55 @@ class StepInputBuilder:
         lora_slot = None
         if self.cfg.enable_lora:
             lora_slot = np.full(t_bucket, -1, np.int32)
-            lora_slot[:t] = np.array([c.lora_slot for c in chunks], np.int32)[seq_of_token]
+            lora_slot[:t] = np.array([s.lora_slot for s in d.seqs] + [c.lora_slot for c in chunks],
+                                     np.int32)[seq_of_token]
         shift = None
         if self.eagle:
             shift = EagleShift(np.zeros(t_bucket, np.int32), np.full(t_bucket, -1, np.int32))
-            row = 0
+            shift.sample_row[:nd] = np.arange(nd)  # a steady decode's next token is its own sample
+            row = nd
             for i, c in enumerate(chunks):
-                _shift_chunk(shift, int(cu[i]), c, plan, row)
+                _shift_chunk(shift, int(cu[nd + i]), c, plan, row)
                 row += c.num_sample_rows
-        logits_index, tensors = sampling_step(rows, sampling, l_bucket, prev_row)
+        logits_index, tensors = sampling_step(rows, d, slot_of[:nd], sampling, l_bucket, prev_row)
         arrays = StepArrays(token_ids, positions, token_seq, slots, cu, seq_lens, page_tables,
                             np.array([nc], np.int32), logits_index, prev_row, lora_slot)
         copies = np.asarray(plan.copies, np.int32).reshape(-1, 2)
         return StepInputs(arrays, tensors, plan.num_samples, copies, shift)
 
     @staticmethod
-    def _pending_rows(pending: list[tuple[int, ScheduledChunk]], prev_plan: StepPlan | None,
-                      token_ids: np.ndarray, prev_row: np.ndarray) -> None:
-        """Token rows whose id is the previous step's sample: read on the device from its row."""
-        spans = sampler_spans(prev_plan)
-        at, sample_rows = [], []
-        for t, c in pending:
-            # the previous step sampled start_pos - 1 in a row of its own (a chunk with drafts emits an
-            # accepted run: the engine completes its step before planning on it)
-            span = spans.get(c.seq_id)
-            if span is None or span[2] != 1 or span[0] != c.start_pos - 1:
-                raise ValueError(f"{c.seq_id!r} decodes a pending token that the previous step did not sample")
-            at.append(t)
-            sample_rows.append(span[1])
+    def _pending_rows(decodes: DecodeRows, pending: list[tuple[int, ScheduledChunk]], prev_plan: StepPlan | None,
+                      token_ids: np.ndarray, prev_row: np.ndarray, decode_starts: np.ndarray) -> None:
+        """Token rows whose id is the previous step's sample: read on the device from its row. The
+        steady decodes' (token row i is decode i, found among the previous step's steady decodes
+        with arrays) and the listed chunks' (`pending`, and decodes the previous step listed).
+
+        The previous step sampled start - 1 in a row of its own (a chunk with drafts emits an
+        accepted run: the engine completes its step before planning on it); ValueError otherwise."""
+        nd = len(decodes)
+        at = np.flatnonzero(token_ids[:nd] == PENDING_TOKEN)
+        rows = np.full(at.size, -1, np.int64)
+        if at.size and prev_plan is not None and prev_plan.decodes.seqs:
+            prev = prev_plan.decodes
+            index = dict(zip(prev.seqs, range(len(prev))))
+            seqs = decodes.seqs
+            rows = np.array([index.get(seqs[i], -1) for i in at.tolist()], np.int64)
+            found = rows >= 0
+            before = np.asarray(prev.positions, np.int64)[rows[found]]
+            rows[found] = np.where(before == decode_starts[at[found]] - 1, rows[found], -1)
+        listed = [(int(t), decodes.seqs[t].seq_id, int(decode_starts[t])) for t in at[rows < 0]]
+        listed += [(t, c.seq_id, c.start_pos) for t, c in pending]
+        if listed:
+            spans = sampler_spans(prev_plan)
+            at, rows = at[rows >= 0].tolist(), rows[rows >= 0].tolist()
+            for t, seq_id, start in listed:
+                span = spans.get(seq_id)
+                if span is None or span[2] != 1 or span[0] != start - 1:
+                    raise ValueError(f"{seq_id!r} decodes a pending token that the previous step did not sample")
+                at.append(t)
+                rows.append(span[1])
         token_ids[at] = 0
-        prev_row[at] = sample_rows
+        prev_row[at] = rows
 
 
 def _shift_chunk(shift: EagleShift, t: int, c: ScheduledChunk, plan: StepPlan, first_row: int) -> None:
@@ -182,7 +209,7 @@ def _shift_chunk(shift: EagleShift, t: int, c: ScheduledChunk, plan: StepPlan, f
 
 
 def has_constrained_rows(plan: StepPlan) -> bool:
-    return any(c.sample and c.request.grammar is not None for c in plan.chunks)
+    return any(c.sample and c.request.grammar is not None for c in plan.listed)  # steady decodes have none
 
 
 def constraint_bitmask(plan: StepPlan, num_rows: int, vocab_size: int) -> np.ndarray | None:
@@ -191,8 +218,8 @@ def constraint_bitmask(plan: StepPlan, num_rows: int, vocab_size: int) -> np.nda
     constrained. Every token sampled before this step must have been applied (scheduler.update)."""
     if not has_constrained_rows(plan):
         return None
-    guides = []
-    for c in plan.chunks:
+    guides: list = [None] * len(plan.decodes)
+    for c in plan.listed:
         if c.sample:
             guide = plan.owners[c.seq_id].guide
             guides.append(guide)
@@ -204,8 +231,12 @@ def constraint_bitmask(plan: StepPlan, num_rows: int, vocab_size: int) -> np.nda
 def sampler_spans(plan: StepPlan | None) -> dict[str, tuple[int, int, int]]:
     """seq_id -> (position of its first sampling token row, its first row in the plan's sampler
     output, how many rows) for each chunk of `plan` that samples."""
-    spans, row = {}, 0
-    for c in plan.chunks if plan is not None else ():
+    if plan is None:
+        return {}
+    d = plan.decodes
+    spans = {seq.seq_id: (start, row, 1) for row, (seq, start) in enumerate(zip(d.seqs, d.positions))}
+    row = len(d)
+    for c in plan.listed:
         if c.sample:
             k = 1 + len(c.draft_token_ids)
             spans[c.seq_id] = (c.start_pos + len(c.token_ids) - k, row, k)

@@ -70,7 +70,7 @@ class Drafting:
     def fill_slots(plan: "StepPlan", proposals: list[list[int]]) -> None:
         """Fills the DRAFT_SLOTs of the plan's chunks (in plan order) with the draft model's
         proposals, cut where a grammar refuses one; slots left over stop being computed."""
-        chunks = [c for c in plan.chunks if c.draft_token_ids]
+        chunks = [c for c in plan.listed if c.draft_token_ids]  # steady decodes have none
         if len(chunks) != len(proposals):
             raise ValueError(f"{len(proposals)} proposals for {len(chunks)} chunks with draft slots")
         for chunk, drafts in zip(chunks, proposals):
