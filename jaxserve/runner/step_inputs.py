@@ -94,11 +94,9 @@ class StepInputBuilder:
         l_bucket = choose_logits_rows(self.cfg, t_bucket, s_bucket, plan.num_samples)
         owners = plan.owners
         # the steady decodes: token row i is sequence row i, its page entries already in its row
-        try:
-            slot_of = [rows.slot_of[seq] for seq in d.seqs]
-        except KeyError as e:  # a steady decode follows a chunk of its sequence that was built
-            raise ValueError(f"{e.args[0].seq_id!r} is a steady decode without a row: "
-                             "a plan of it was not built") from None
+        slot_of = [rows.slot_of.get(seq) for seq in d.seqs]
+        if None in slot_of:  # a sequence this builder has not seen (its earlier plans built elsewhere)
+            slot_of = [self._row_of(plan, i) if slot is None else slot for i, slot in enumerate(slot_of)]
         lens, starts, flat = [1] * nd, d.positions[:], d.token_ids[:]
         pending: list[tuple[int, ScheduledChunk]] = []
         sampling: list[tuple[int, int, ScheduledChunk]] = []  # (token row after the chunk, slot, chunk)
@@ -159,6 +157,12 @@ class StepInputBuilder:
                             np.array([nc], np.int32), logits_index, prev_row, lora_slot)
         copies = np.asarray(plan.copies, np.int32).reshape(-1, 2)
         return StepInputs(arrays, tensors, plan.num_samples, copies, shift)
+
+    def _row_of(self, plan: StepPlan, i: int) -> int:
+        """The row of the plan's steady decode i, written whole from its live page tables."""
+        seq = plan.decodes.seqs[i]
+        tables = plan.page_tables(seq.seq_id)
+        return self.rows.slot(seq, tables[0], plan.decodes.positions[i], tables if len(tables) > 1 else ())
 
     @staticmethod
     def _pending_rows(decodes: DecodeRows, pending: list[tuple[int, ScheduledChunk]], prev_plan: StepPlan | None,
