@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints; needs "
                    "--enable-lora)")
+    g.add_argument("--enable-response-store", action="store_true", help="/v1/responses keeps responses (store: "
+                   "true, OpenAI's default) in memory, bounded in count and bytes, for GET /v1/responses/{id} and "
+                   "previous_response_id (default: off; then those get a 400 and an omitted store means false)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='parse tool calls out of the output when a request sends tools with tool_choice "auto"')
     g.add_argument("--tool-call-parser", default=None, help="tool-call format of the model: hermes (Qwen2.5, Qwen3, "
@@ -283,7 +286,8 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
                                   vllm_metric_names=args.vllm_metric_names, kv_transport=args.kv_transport,
                                   kv_transfer_host=args.host,
                                   chat_template=args.chat_template and read_chat_template(args.chat_template),
-                                  generation_config=check_choice(args.generation_config))
+                                  generation_config=check_choice(args.generation_config),
+                                  enable_response_store=args.enable_response_store)
         engine_cfg = engine_config(args, names[0])
         multi = None
         if args.num_hosts != 1:

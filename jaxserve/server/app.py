@@ -1,5 +1,5 @@
-"""The Starlette app: OpenAI routes, vLLM's /tokenize, /detokenize and /version, /health, /metrics;
-auth, body limits, admission control.
+"""The Starlette app: OpenAI routes (completions, chat, responses), vLLM's /tokenize, /detokenize
+and /version, /health, /metrics; auth, body limits, admission control.
 
 Order of checks for a generation request: API key (401) -> ready (503) -> content type and body
 size (400/413) -> JSON and fields (400) -> waiting queue (429) -> submit. Every failure is an
@@ -26,12 +26,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jaxserve.server import generation, kv_routes, lora_admin, tokenize_routes
+from jaxserve.server import generation, kv_routes, lora_admin, responses_stream, tokenize_routes
 from jaxserve.server.errors import APIError, bad_request, internal, overloaded, too_large, unauthorized
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.grammars import request_grammar
-from jaxserve.server.protocol import parse_completion, parse_json_body
+from jaxserve.server.protocol import GenerationRequest, parse_completion, parse_json_body
 from jaxserve.server.chat_request import parse_chat
+from jaxserve.server.responses_api import STORE_FLAG, parse_responses
 from jaxserve.server.state import Loader, ServerConfig, ServerState
 
 logger = logging.getLogger("jaxserve.server")
@@ -73,6 +74,29 @@ def build_app(loader: Loader, config: ServerConfig) -> Starlette:
 
     async def chat(request: Request) -> Response:
         return await _generate(state, request, parse_chat)
+
+    async def create_response(request: Request) -> Response:
+        arrival = time.monotonic()
+        state.require_ready()
+        body = parse_json_body(await _read_body(request, config.max_request_bytes))
+        rr = await run_in_threadpool(_locked, state, lambda b, ctx: parse_responses(b, ctx, state.responses), body)
+        # the response has an id of its own; a PD decode instance does not import pages for it (yet)
+        _, runs = await _submit(state, rr.gen, None, arrival)
+        answer = responses_stream.respond(state, rr, runs, request)
+        return answer if rr.gen.stream else await answer
+
+    async def stored_response(request: Request) -> Response:
+        if state.responses is None:
+            raise bad_request(f"responses are not stored on this server (start it with {STORE_FLAG})")
+        rid = request.path_params["response_id"]
+        if request.method == "DELETE":
+            if not state.responses.delete(rid):
+                raise _no_response(rid)
+            return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+        found = state.responses.get(rid)
+        if found is None:
+            raise _no_response(rid)
+        return JSONResponse(found.response)
 
     async def models(request: Request) -> Response:
         max_len = state.core.engine_cfg.max_model_len if state.core is not None else None
@@ -121,6 +145,8 @@ def build_app(loader: Loader, config: ServerConfig) -> Starlette:
         Route("/v1/completions", guarded(completions, True), methods=["POST"]),
         Route("/v1/kv/export", guarded(kv_export, True), methods=["POST"]),
         Route("/v1/chat/completions", guarded(chat, True), methods=["POST"]),
+        Route("/v1/responses", guarded(create_response, True), methods=["POST"]),
+        Route("/v1/responses/{response_id}", guarded(stored_response, True), methods=["GET", "DELETE"]),
         Route("/v1/models", guarded(models, True), methods=["GET"]),
         *([Route("/v1/load_lora_adapter", guarded(load_lora, True), methods=["POST"]),
            Route("/v1/unload_lora_adapter", guarded(unload_lora, True), methods=["POST"])]
@@ -132,8 +158,7 @@ def build_app(loader: Loader, config: ServerConfig) -> Starlette:
         Route("/metrics", guarded(metrics, False), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
-                    middleware=[Middleware(_CountInFlight, state=state,
-                                           endpoints=frozenset(route.path for route in routes))])
+                    middleware=[Middleware(_CountInFlight, state=state, routes=tuple(routes))])
     app.state.server = state
     return app
 
@@ -141,13 +166,17 @@ def build_app(loader: Loader, config: ServerConfig) -> Starlette:
 class _CountInFlight:
     """ASGI middleware: `state.in_flight` counts HTTP requests from arrival until the last byte of
     their response (the ASGI call of a streamed response returns after its last event), and the
-    metrics count every answered request by endpoint (the app's routes; any other path is "other",
-    so a scan of unknown paths adds no series) and status code."""
+    metrics count every answered request by endpoint (the app's routes, by their path template:
+    "/v1/responses/{response_id}"; any other path is "other", so a scan of unknown paths adds no
+    series) and status code."""
 
-    def __init__(self, app: ASGIApp, state: ServerState, endpoints: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, state: ServerState, routes: tuple[Route, ...]) -> None:
         self.app = app
         self.state = state
-        self.endpoints = endpoints
+        self.routes = routes
+
+    def endpoint(self, path: str) -> str:
+        return next((route.path for route in self.routes if route.path_regex.match(path)), "other")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -166,18 +195,28 @@ class _CountInFlight:
             await self.app(scope, receive, send_status)
         finally:
             self.state.in_flight -= 1
-            path = scope["path"]
-            self.state.metrics.http_request(path if path in self.endpoints else "other", status)
+            self.state.metrics.http_request(self.endpoint(scope["path"]), status)
 
 
 async def _generate(state: ServerState, request: Request, parse: Callable[..., Any]) -> Response:
     arrival = time.monotonic()
-    engine = state.require_ready()
+    state.require_ready()
     body = parse_json_body(await _read_body(request, state.config.max_request_bytes))
     remote = kv_routes.remote_of(state, body)  # PD: a decode instance imports the prompt's pages first
     # Tokenization / chat templates can take milliseconds for long prompts: off the event loop, one
     # at a time (a HF fast tokenizer may raise "Already borrowed" under concurrent use).
     gen = await run_in_threadpool(_locked, state, parse, body)
+    resp, runs = await _submit(state, gen, remote, arrival)
+    if gen.stream:
+        return generation.stream(state, gen, resp, runs)
+    return await generation.complete(state, gen, resp, runs, request)
+
+
+async def _submit(state: ServerState, gen: GenerationRequest, remote: str | None,
+                  arrival: float) -> tuple[Any, list]:
+    """A parsed request's grammar compiled, admission checked, the prompt's pages imported from
+    `remote` (PD), engine requests submitted: (the response's identity, its RequestRuns)."""
+    engine = state.require_ready()
     if gen.params.structured_outputs is not None or gen.forces_tool_calls:
         # state.grammars may still be building (or not built yet): waited for off the event loop
         gen.grammar = await run_in_threadpool(lambda: request_grammar(state.grammars, gen, state.model))
@@ -189,10 +228,12 @@ async def _generate(state: ServerState, request: Request, parse: Callable[..., A
         raise overloaded(state.max_waiting)
     if remote is not None:
         await kv_routes.import_prompts(state, remote, gen.prompts, gen.cache_salt)
-    resp, runs = generation.submit(state, gen, arrival)
-    if gen.stream:
-        return generation.stream(state, gen, resp, runs)
-    return await generation.complete(state, gen, resp, runs, request)
+    return generation.submit(state, gen, arrival)
+
+
+def _no_response(rid: str) -> APIError:
+    return APIError(404, f"response {rid!r} was not found: it was never stored or the store evicted it",
+                    "invalid_request_error", "response_id", "not_found")
 
 
 async def _tokenizer_route(state: ServerState, request: Request,

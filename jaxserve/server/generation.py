@@ -187,7 +187,7 @@ async def complete(state: ServerState, gen: GenerationRequest, resp: _Response, 
                 finish[d.index] = d.finish_reason
 
     try:
-        gone = await _unless_disconnected(collect(), http)
+        gone = await unless_disconnected(collect(), http)
     except RequestTimeout:
         raise timed_out(state.config.request_timeout or 0.0) from None
     finally:
@@ -211,7 +211,7 @@ async def complete(state: ServerState, gen: GenerationRequest, resp: _Response, 
     return JSONResponse(build(resp.id, resp.created, resp.model, choices, _usage(runs)))
 
 
-async def _unless_disconnected(work: Any, http: HTTPRequest) -> bool:
+async def unless_disconnected(work: Any, http: HTTPRequest) -> bool:
     """Awaits `work`; returns True (and cancels it) if the client disconnects first."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(http))

@@ -26,6 +26,7 @@ from jaxserve.server.tools.tags import ToolTags
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.protocol import ModelContext
 from jaxserve.server.responses import TokenStrings
+from jaxserve.server.responses_store import ResponseStore
 
 if TYPE_CHECKING:
     from jaxserve.engine.async_engine import Engine
@@ -56,6 +57,7 @@ class ServerConfig:
     kv_transfer_host: str = "127.0.0.1"        # PD: where this instance's jax.experimental.transfer server listens
     chat_template: str | None = None           # Jinja; None: the model's own (tokenizer_config.json)
     generation_config: str = "auto"            # sampling defaults: auto | vllm | a directory (text/generation_config.py)
+    enable_response_store: bool = False        # /v1/responses: keep store=true responses in memory (responses_store.py)
     on_ready: Callable[["ServerState"], None] | None = None          # called on the loader thread
     on_load_failed: Callable[[BaseException], None] | None = None   # called on the loader thread
 
@@ -103,6 +105,8 @@ class ServerState:
         self._grammars: Any = None
         self._grammars_lock = threading.Lock()
         self._building_grammars = False
+        # /v1/responses' store: None (store=true and previous_response_id refused) unless the flag is on
+        self.responses = ResponseStore() if config.enable_response_store else None
 
     # -------------------------------------------------------------- lifecycle
 
