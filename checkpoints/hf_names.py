@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from jaxserve.core.config import ModelConfig
-from jaxserve.core.hf_families import MTP_FAMILIES, TEXT_OF_MULTIMODAL
+from jaxserve.core.hf_families import HYBRID_FAMILIES, MTP_FAMILIES, TEXT_OF_MULTIMODAL
 
 Transform = Callable[[np.ndarray], np.ndarray]
 
@@ -34,13 +34,15 @@ _NORMS = {
 }
 
 
-def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Transform]]:
+def layer_tensors(cfg: ModelConfig, linear: bool = False) -> dict[str, tuple[str, Transform]]:
     """A decoder layer's HF tensor names (after `model.layers.{i}.`) -> (LayerWeights field,
-    transform from the stored array)."""
+    transform from the stored array). linear: a Gated DeltaNet layer's (no attention tensors)."""
     ident = lambda t: t  # noqa: E731
     transpose = lambda t: t.T  # noqa: E731
     layer = {f"{module}.weight": (field, ident) for module, field in _NORMS[cfg.norm_placement].items()}
-    if cfg.mla is not None:
+    if linear:
+        layer.update(_linear_attention_tensors(cfg))
+    elif cfg.mla is not None:
         layer.update(_latent_attention_tensors(cfg))
     else:
         layer.update(_kv_heads_attention_tensors(cfg))
@@ -90,6 +92,23 @@ def _latent_attention_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Transfor
     return tensors
 
 
+def _linear_attention_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Transform]]:
+    """Gated DeltaNet's tensors as Qwen3.5 stores them (Qwen3-Next's fused in_proj_qkvz and
+    in_proj_ba arrive as these by `unfused`)."""
+    lin = cfg.linear
+    hv, dv = lin.num_v_heads, lin.v_head_dim
+    m = "linear_attn."
+    return {m + "in_proj_qkv.weight": ("lin_qkv", lambda t: t.T),
+            m + "in_proj_z.weight": ("lin_z", _heads(hv, dv)),
+            m + "in_proj_b.weight": ("lin_b", lambda t: t.T),
+            m + "in_proj_a.weight": ("lin_a", lambda t: t.T),
+            m + "conv1d.weight": ("lin_conv", lambda t: t.reshape(t.shape[0], t.shape[-1])),  # [C, 1, K] -> [C, K]
+            m + "dt_bias": ("lin_dt_bias", lambda t: t),
+            m + "A_log": ("lin_a_log", lambda t: t),
+            m + "norm.weight": ("lin_norm", lambda t: t),
+            m + "out_proj.weight": ("lin_out", lambda t: t.T.reshape(hv, dv, t.shape[0]))}
+
+
 def _kv_heads_attention_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Transform]]:
     """Attention with per-head K and V projections."""
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -100,6 +119,10 @@ def _kv_heads_attention_tensors(cfg: ModelConfig) -> dict[str, tuple[str, Transf
         "self_attn.v_proj.weight": ("wv", _heads(hkv, hd)),
         "self_attn.o_proj.weight": ("wo", lambda t: t.T.reshape(hq, hd, t.shape[0])),
     }
+    if cfg.attn_output_gate:  # q_proj holds each head's query then its gate (split by `unfused`)
+        del layer["self_attn.q_proj.weight"]
+        layer["self_attn.q_proj.query.weight"] = ("wq", _heads(hq, hd))
+        layer["self_attn.q_proj.gate.weight"] = ("wq_gate", _heads(hq, hd))
     if cfg.qkv_bias:
         layer["self_attn.q_proj.bias"] = ("bq", lambda t: t.reshape(hq, hd))
         layer["self_attn.k_proj.bias"] = ("bk", lambda t: t.reshape(hkv, hd))
@@ -123,7 +146,9 @@ _MOE_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), None),
               "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), None),
               "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "gate.e_score_correction_bias"),
               "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"), "gate.e_score_correction_bias"),
-              "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2"), "e_score_correction_bias")}
+              "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2"), "e_score_correction_bias"),
+              "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj"), None),
+              "qwen3_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), None)}
 
 
 def _stacked_expert_tensors(cfg: ModelConfig, prefix: str, i: int) -> dict[str, tuple[tuple[Any, ...], Callable]]:
@@ -156,8 +181,11 @@ def _moe_tensors(cfg: ModelConfig, prefix: str, i: int) -> dict[str, tuple[tuple
     if cfg.moe.score_bias:
         table[f"{prefix}{block}.{bias}"] = (("layers", i, "choice_bias"), lambda t: t)
     if cfg.moe.shared_size:
+        shared = "shared_expert" if cfg.moe.shared_gate else "shared_experts"  # Qwen's one, DeepSeek's several
         for name, field in zip(("gate_proj", "up_proj", "down_proj"), ("ws_gate", "ws_up", "ws_down")):
-            table[f"{prefix}{block}.shared_experts.{name}.weight"] = (("layers", i, field), lambda t: t.T)
+            table[f"{prefix}{block}.{shared}.{name}.weight"] = (("layers", i, field), lambda t: t.T)
+    if cfg.moe.shared_gate:  # [1, D]
+        table[f"{prefix}{block}.shared_expert_gate.weight"] = (("layers", i, "shared_gate"), lambda t: t[0])
     for e in range(cfg.moe.num_experts):
         for name, field in zip(projections, ("we_gate", "we_up", "we_down")):
             table[f"{prefix}{block}.experts.{e}.{name}.weight"] = (("layers", i, field, e), lambda t: t.T)
@@ -173,8 +201,11 @@ def name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Transform]]
     }
     if not cfg.tie_word_embeddings:
         table["lm_head.weight"] = (("lm_head",), lambda t: t.T)
-    layer = layer_tensors(cfg)
+    kinds = {False: layer_tensors(cfg)}
+    if cfg.linear is not None:
+        kinds[True] = layer_tensors(cfg, linear=True)
     for i in range(cfg.num_layers):
+        layer = kinds[cfg.layers[i].linear]
         p = f"model.layers.{i}."
         if cfg.moe is not None and cfg.moe.layers[i]:
             table.update(_moe_tensors(cfg, p, i))
@@ -189,6 +220,8 @@ def name_table(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], Transform]]
 
 def is_mtp_layer(name: str, cfg: ModelConfig) -> bool:
     """A tensor of a layer past the decoder's num_layers, in a family that stores MTP layers there."""
+    if cfg.family in HYBRID_FAMILIES:  # Qwen3-Next / Qwen3.5 keep theirs under "mtp."
+        return name.startswith("mtp.")
     prefix, _, rest = name.partition("model.layers.")
     index = rest.partition(".")[0]
     return cfg.family in MTP_FAMILIES and not prefix and index.isdigit() and int(index) >= cfg.num_layers
@@ -221,6 +254,8 @@ def _fused_parts(cfg: ModelConfig) -> dict[str, tuple[int, int, list[Part]]]:
         return {"self_attn.kv_b_proj.weight": (0, hq * width, [
             ("self_attn.kv_b_proj.k.weight", rows(0, m.qk_nope_head_dim)),
             ("self_attn.kv_b_proj.v.weight", rows(m.qk_nope_head_dim, m.v_head_dim))])}
+    if cfg.family in HYBRID_FAMILIES:
+        return _hybrid_fused_parts(cfg)
     if cfg.family != "phi3":
         return {}
     q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
@@ -230,12 +265,44 @@ def _fused_parts(cfg: ModelConfig) -> dict[str, tuple[int, int, list[Part]]]:
             "mlp.gate_up_proj.weight": (0, 2 * f, [("mlp.gate_proj.weight", _rows(0, f)), ("mlp.up_proj.weight", _rows(f, f))])}
 
 
+def _hybrid_fused_parts(cfg: ModelConfig) -> dict[str, tuple[int, int, list[Part]]]:
+    """Gated attention's q_proj ([Hq * 2 hd, D]: per head its query rows, then its gate rows) and
+    Qwen3-Next's fused Gated DeltaNet projections, grouped per key head: in_proj_qkvz rows
+    [Hk, (q Dk, k Dk, v G Dv, z G Dv)] and in_proj_ba rows [Hk, (b G, a G)], G value heads per key
+    head (value head h G + j belongs to key head h)."""
+    hq, hd = cfg.num_heads, cfg.head_dim
+
+    def q_part(half: int) -> Callable[[np.ndarray], np.ndarray]:
+        return lambda w: w.reshape(hq, 2, hd, -1)[:, half].reshape(hq * hd, -1)
+
+    parts: dict[str, tuple[int, int, list[Part]]] = {"self_attn.q_proj.weight": (0, 2 * hq * hd, [
+        ("self_attn.q_proj.query.weight", q_part(0)), ("self_attn.q_proj.gate.weight", q_part(1))])}
+    lin = cfg.linear
+    if lin.projections != "qkvz":
+        return parts
+    hk, dk, gdv = lin.num_k_heads, lin.k_head_dim, lin.num_v_heads // lin.num_k_heads * lin.v_head_dim
+    g = lin.num_v_heads // hk
+
+    def grouped(width: int, start: int, count: int) -> Callable[[np.ndarray], np.ndarray]:
+        return lambda w: w.reshape(hk, width, -1)[:, start:start + count].reshape(hk * count, -1)
+
+    qkvz = 2 * dk + 2 * gdv
+    q, k, v = grouped(qkvz, 0, dk), grouped(qkvz, dk, dk), grouped(qkvz, 2 * dk, gdv)
+    parts["linear_attn.in_proj_qkvz.weight"] = (0, hk * qkvz, [
+        ("linear_attn.in_proj_qkv.weight", lambda w: np.concatenate([q(w), k(w), v(w)])),
+        ("linear_attn.in_proj_z.weight", grouped(qkvz, 2 * dk + gdv, gdv))])
+    parts["linear_attn.in_proj_ba.weight"] = (0, 2 * lin.num_v_heads, [
+        ("linear_attn.in_proj_b.weight", grouped(2 * g, 0, g)), ("linear_attn.in_proj_a.weight", grouped(2 * g, g, g))])
+    return parts
+
+
 # Multimodal checkpoints served as their text model: where each layout keeps the text model's
 # tensors (transformers 5 saves "model.language_model.*"; the published Gemma 3 checkpoints store
 # "language_model.model.*"), and the prefixes of the parts that are not read (vision tower, projector)
 _TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
                   "language_model.lm_head.": "lm_head."}
-_NOT_TEXT = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+_NOT_TEXT = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.",
+             "model.visual.")
 
 
 def text_model(tensors: Iterator[tuple[str, Callable[[], np.ndarray]]], cfg: ModelConfig

@@ -19,8 +19,9 @@ system (I + A) u = beta*v - Gamma*beta*k S0 with A_ij = beta_i (k_i.k_j) Gamma_i
 then o = Gamma*q S0 + P u with P_ij = (q_i.k_j) Gamma_i/Gamma_j (j <= i), and the state leaves the
 chunk as Gamma_C S0 + sum_j (Gamma_C/Gamma_j) k_j u_j^T. Only exp of non-positive numbers is taken.
 
-Ragged batches (`ragged_gated_delta`): the tokens of S sequences are split into per-sequence chunk
-*slots* (a sequence of length L owns ceil(L / C) slots; a slot never mixes sequences), and one
+Ragged batches (`ragged_gated_delta`): sequences of one token (a decode step's rows) run first, all
+together, as one batched recurrent step over [S, H, Dk, Dv]. The tokens of the longer sequences are
+split into per-sequence chunk *slots* (a sequence of length L owns ceil(L / C) slots; a slot never mixes sequences), and one
 `fori_loop` with a dynamic trip count (the number of live slots) walks them. Each slot reads its
 sequence's state from the running `[S, H, Dk, Dv]` buffer, runs, and writes it back, so chunked
 prefill continues across slots and calls. A slot with at most `recurrent_max` tokens (decode rows,
@@ -212,7 +213,8 @@ def ragged_gated_delta(
 
     Slots of at most `recurrent_max` tokens (default chunk // 2) run token by token: on XLA:CPU
     (Qwen3-Next shapes, chunk 64) 16 and 32-token slots ran 1.4x faster that way than in the chunk
-    form, which pays for all C rows; full slots were about even."""
+    form, which pays for all C rows; full slots were about even. One-token sequences skip the walk:
+    one batched step updates them all (64 decode rows at Qwen3-Next shapes: docs/BENCHMARKS.md)."""
     _check(q, k, v, g, beta, states)
     t, hv, dv = v.shape
     c = chunk
@@ -223,6 +225,12 @@ def ragged_gated_delta(
                for x in _prepare(q, k, v, g, beta, qk_l2norm, scale))
     lens = jnp.maximum(seq_lens.astype(jnp.int32), 0)
     starts = seq_starts.astype(jnp.int32)
+    # one-token sequences: a batched recurrent step, each reading its token's row
+    single = lens == 1
+    row = jnp.where(single, starts, t)  # the others read a zero pad row (their result is discarded)
+    o1, s1 = jax.vmap(_recurrent_step)(states.astype(_F32), *(x[row] for x in xs))  # [S, Hv, Dv], [S, Hv, Dk, Dv]
+    states = jnp.where(single[:, None, None, None], s1, states.astype(_F32))
+    lens = jnp.where(single, 0, lens)  # left out of the slot walk
     slots = (lens + c - 1) // c  # [S] slots per sequence
     slot_end = jnp.cumsum(slots)  # [S] inclusive: slots of sequence s are [end - slots, end)
     rows = jnp.arange(c)
@@ -258,8 +266,8 @@ def ragged_gated_delta(
         out = lax.dynamic_update_slice_in_dim(out, jnp.where((rows < n)[:, None, None], o, old), start, 0)
         return out, lax.dynamic_update_index_in_dim(st, new, s, 0)
 
-    out0 = jnp.zeros((t + c, hv, dv), _F32)
-    out, new_states = lax.fori_loop(0, slot_end[-1], body, (out0, states.astype(_F32)))
+    out0 = jnp.zeros((t + c, hv, dv), _F32).at[row].set(o1, mode="drop")  # row t: a pad row, then sliced off
+    out, new_states = lax.fori_loop(0, slot_end[-1], body, (out0, states))
     return out[:t].astype(q.dtype), new_states
 
 

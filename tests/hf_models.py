@@ -102,6 +102,21 @@ MLA_VARIANTS: dict[str, dict[str, Any]] = {
                                rope_interleave=False),
 }
 
+# Hybrid linear attention (issue 44): Gated DeltaNet layers (2 key heads of 16 serving 4 value heads
+# of 8, a conv of 4 taps) between gated full-attention layers with a quarter of each head rotated.
+# Qwen3-Next with fused projections, every layer sparse but the second (a gated shared expert
+# beside 2 of 4 experts); Qwen3.5 dense with separate projections; Qwen3.5-MoE.
+_HYBRID = dict(num_hidden_layers=4, head_dim=16, num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+               layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+               pad_token_id=0, tie_word_embeddings=False)
+_HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+HYBRID_VARIANTS: dict[str, dict[str, Any]] = {
+    "qwen3_next": dict(family="qwen3_next", **_HYBRID, **_HYBRID_MOE, mlp_only_layers=[1], norm_topk_prob=True),
+    "qwen3_5": dict(family="qwen3_5", **_HYBRID),
+    "qwen3_5_moe": dict(family="qwen3_5_moe", **_HYBRID, **_HYBRID_MOE),
+}
+
 _CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -118,8 +133,11 @@ _CLASSES = {
     "minimax_m2": (transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
 }
-ALL_VARIANTS = {**VARIANTS, **MOE_VARIANTS, **FAMILY_VARIANTS, **MLA_VARIANTS}
+ALL_VARIANTS = {**VARIANTS, **MOE_VARIANTS, **FAMILY_VARIANTS, **MLA_VARIANTS, **HYBRID_VARIANTS}
 
 
 def make_hf_model(variant: str, directory: Path, seed: int = 0, **overrides: Any) -> tuple[Path, Any]:

@@ -126,13 +126,21 @@ def attention_weights_per_layer(cfg: ModelConfig) -> int:
     return q + d * m.latent_dim + m.kv_lora_rank * hq * (m.qk_nope_head_dim + m.v_head_dim) + hq * m.v_head_dim * d
 
 
+def linear_weights_per_layer(cfg: ModelConfig) -> int:
+    """Weights of one Gated DeltaNet layer's projections (q, k, v, z, b, a in; out)."""
+    lin = cfg.linear
+    return cfg.hidden_size * (lin.conv_dim + 2 * lin.value_dim + 2 * lin.num_v_heads)
+
+
 def flops_per_token(cfg: ModelConfig) -> int:
     """Matmul FLOPs of one token through the layers (attention scores excluded: context-dependent;
-    a mixture of experts counts the experts a token is routed to)."""
+    a mixture of experts counts the experts a token is routed to; a linear-attention layer counts
+    its projections, its recurrence is a few Dk x Dv products per head)."""
     d = cfg.hidden_size
-    attn = attention_weights_per_layer(cfg)
+    attn = attention_weights_per_layer(cfg) + (d * cfg.num_heads * cfg.head_dim if cfg.attn_output_gate else 0)
+    mixer = lambda i: linear_weights_per_layer(cfg) if i in cfg.linear_layers else attn  # noqa: E731
     router = lambda i: d * cfg.moe.num_experts if _sparse(cfg, i) else 0  # noqa: E731
-    return 2 * sum(attn + 3 * d * active_mlp_width(cfg, i) + router(i) for i in range(cfg.num_layers))
+    return 2 * sum(mixer(i) + 3 * d * active_mlp_width(cfg, i) + router(i) for i in range(cfg.num_layers))
 
 
 def flops_per_sampled_row(cfg: ModelConfig) -> int:
@@ -150,6 +158,26 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int, model_axis: int = 1, kv_
     arrays = cfg.kv_groups.num_arrays
     head_dim = pool_head_dim(cfg.head_dim, platform, latent=cfg.mla is not None)
     return cfg.kv_arrays_per_layer * arrays * heads * kv_quant.bytes_per_head_token(kv_cache_dtype, head_dim, itemsize)
+
+
+def linear_state_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """One recurrent-state slot's bytes on each device (a hybrid stack's; 0 without linear layers):
+    per linear layer the conv window [K-1, C] in the compute dtype and the delta-rule state
+    [Hv, Dk, Dv] in float32, replicated (model/state_cache.py)."""
+    if cfg.linear is None:
+        return 0
+    lin = cfg.linear
+    per_layer = (lin.conv_kernel - 1) * lin.conv_dim * itemsize + lin.num_v_heads * lin.k_head_dim * lin.v_head_dim * 4
+    return len(cfg.linear_layers) * per_layer
+
+
+def state_slot_counts(model: ModelConfig, max_num_seqs: int, prefix_caching: bool) -> tuple[int, int]:
+    """A hybrid stack's recurrent-state slots: (for running sequences, for prefix-cache snapshots).
+    One per running sequence and one more for the moment a leader removed before its fork hands its
+    role to a sibling; with prefix caching as many snapshots as sequences. (0, 0) without linear layers."""
+    if model.linear is None:
+        return 0, 0
+    return max_num_seqs + 1, max_num_seqs if prefix_caching else 0
 
 
 def step_temp_bytes(cfg: ModelConfig, tokens: int, rows: int, itemsize: int, model_axis: int = 1) -> int:
@@ -217,6 +245,10 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
 
     per_token = _pool_bytes_per_token(model, draft, itemsize, model_axis, engine.kv_cache_dtype, machine.platform)
     page_bytes = per_token * engine.page_size
+    # a hybrid stack's recurrent states: a slot per sequence and its prefix-cache snapshots
+    state_bytes = sum(state_slot_counts(model, max_num_seqs, engine.enable_prefix_caching)) * linear_state_bytes(
+        model, itemsize)
+    states_why = f" - {_gib(state_bytes)} recurrent-state slots" if state_bytes else ""
     probe = dataclasses.replace(engine, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                 max_num_batched_tokens=max_num_batched_tokens)
     temp = max(step_temp_bytes(model, t, s, itemsize, model_axis)
@@ -226,12 +258,13 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
     if engine.num_kv_pages is not None:
         num_pages, pool_why, same_tokens = engine.num_kv_pages, "set by num_kv_pages", True
     elif engine.kv_cache_memory is not None:
-        num_pages, pool_why = engine.kv_cache_memory // page_bytes, f"set by kv_cache_memory ({_gib(engine.kv_cache_memory)})"
+        num_pages = (engine.kv_cache_memory - state_bytes) // page_bytes
+        pool_why = f"set by kv_cache_memory ({_gib(engine.kv_cache_memory)}{states_why})"
         if num_pages < 1:
             raise ValueError(f"--kv-cache-memory {engine.kv_cache_memory} bytes holds no KV page "
                              f"({page_bytes} bytes each)")
     else:
-        budget = int(utilization * machine.memory_per_device) - machine.memory_in_use - temp - lora_bytes
+        budget = int(utilization * machine.memory_per_device) - machine.memory_in_use - temp - lora_bytes - state_bytes
         num_pages = stable_page_count(max(0, budget) // page_bytes)
         if num_pages < 1:
             raise ValueError(f"no KV page fits: {_gib(machine.memory_per_device)} x {utilization:.2f} leaves "
@@ -240,7 +273,7 @@ def plan_capacity(engine: EngineConfig, model: ModelConfig, machine: MachineInfo
         where = "of available RAM" if machine.platform == "cpu" else "of device memory"
         pool_why = (f"{utilization:.2f} {where} ({_gib(machine.memory_per_device)}) - {_gib(machine.memory_in_use)} "
                     f"in use - {_gib(temp)} step temporaries"
-                    + (f" - {_gib(lora_bytes)} LoRA slots" if lora_bytes else ""))
+                    + (f" - {_gib(lora_bytes)} LoRA slots" if lora_bytes else "") + states_why)
         if machine.platform == "cpu":
             num_pages, cap_why, same_tokens = _cpu_pool_cap(
                 num_pages, page_bytes, engine.page_size, max_num_seqs, max_model_len,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from jaxserve.core import buckets
 from jaxserve.core.hf_families import parse_hf_config
 from jaxserve.core.kv_groups import KVGroups, kv_groups
-from jaxserve.core.layer_kinds import LayerKind, MLAConfig, MoEConfig, RopeConfig
+from jaxserve.core.layer_kinds import LayerKind, LinearAttentionConfig, MLAConfig, MoEConfig, RopeConfig
 from jaxserve.quant import kv as kv_quant
 from jaxserve.speculative.config import SpeculativeConfig
 
@@ -72,18 +72,37 @@ class ModelConfig:
     # multi-head latent attention (layer_kinds.MLAConfig); then num_kv_heads is 1 and head_dim is
     # the latent row's width: the pool holds one latent row per token, read as MQA's only K and V head
     mla: MLAConfig | None = None
+    # Gated DeltaNet linear attention (layer_kinds.LinearAttentionConfig) for the layers whose kind
+    # says "linear" (Qwen3-Next, Qwen3.5); None: every layer attends over K/V pages
+    linear: LinearAttentionConfig | None = None
+    # the attention's output x sigmoid(gate), the gate a second q projection (Qwen3-Next, Qwen3.5)
+    attn_output_gate: bool = False
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
         return tuple(kind.window for kind in self.layers)
 
     @functools.cached_property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The layers that keep a recurrent state instead of K/V pages, in order (a layer's index in
+        this tuple is its place in the state cache)."""
+        return tuple(i for i, kind in enumerate(self.layers) if kind.linear)
+
+    @property
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The windows of the layers that read K/V pages (linear layers left out)."""
+        return tuple(kind.window for kind in self.layers if not kind.linear)
+
+    @functools.cached_property
     def kv_groups(self) -> KVGroups:
-        """The KV pool's layer groups (kv_groups.py): sliding layers keep only their window."""
+        """The KV pool's layer groups (kv_groups.py): sliding layers keep only their window; linear
+        layers have none."""
         windows = self.layer_windows
-        if self.single_kv_group or len(set(windows)) <= 1:
-            return kv_groups((None if self.single_kv_group or not windows else windows[0],) * self.num_layers)
-        return kv_groups(windows)
+        paged = tuple(not kind.linear for kind in self.layers)
+        if self.single_kv_group or len(set(self.attention_windows)) <= 1:
+            first = None if self.single_kv_group or not self.attention_windows else self.attention_windows[0]
+            return kv_groups((first,) * self.num_layers, paged)
+        return kv_groups(windows, paged)
 
     @property
     def rope(self) -> RopeConfig:

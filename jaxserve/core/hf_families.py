@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxserve.core.layer_kinds import LayerKind, MLAConfig, MoEConfig, RopeConfig, yarn_mscale
+from jaxserve.core.hf_fields import positive_int as _positive_int, require as _require
+from jaxserve.core.hf_mixers import mla_scale, parse_linear, parse_mla
+from jaxserve.core.layer_kinds import LayerKind, MoEConfig, RopeConfig
 
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                 "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
@@ -57,7 +59,13 @@ FAMILIES = {
     "minimax_m2": Family(qk_norm="projection"),
     "gpt_oss": Family(),
     "deepseek_v3": Family(qkv_bias=False, o_bias=False),
+    # hybrids: Gated DeltaNet layers beside gated full attention, every norm x (1 + weight)
+    "qwen3_next": Family(qkv_bias=False, o_bias=False, qk_norm="head", norm_style="gemma"),
+    "qwen3_5": Family(qkv_bias=False, o_bias=False, qk_norm="head", norm_style="gemma"),
+    "qwen3_5_moe": Family(qkv_bias=False, o_bias=False, qk_norm="head", norm_style="gemma"),
 }
+# families whose linear-attention layers are Gated DeltaNet (layer_types "linear_attention")
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # architecture name -> family
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -76,28 +84,21 @@ SUPPORTED_ARCHITECTURES = {
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "GptOssForCausalLM": "gpt_oss",
     "DeepseekV3ForCausalLM": "deepseek_v3",  # and Kimi K2, which ships this architecture
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # their text models: the vision encoder is not read
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 # families whose checkpoints store multi-token-prediction layers after the decoder's (as layers
 # num_hidden_layers ...): the decoder does not read them; speculative method "mtp" does (model/mtp.py)
 MTP_FAMILIES = ("glm4_moe", "deepseek_v3")
-_MODEL_TYPES = {"gemma3_text": "Gemma3ForCausalLM"}  # model_type -> architecture, where not the family name
+_MODEL_TYPES = {"gemma3_text": "Gemma3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}  # model_type -> architecture, where not the family name
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 # fields whose meaning we do not serve: named in the refusal
 _REFUSED = {"use_bidirectional_attention": "bidirectional attention", "attention_chunk_size": "chunked attention"}
-
-
-def _require(cfg: dict, key: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise ValueError(f"config.json is missing required field '{key}'")
-    return cfg[key]
-
-
-def _positive_int(cfg: dict, key: str) -> int:
-    value = _require(cfg, key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"config.json field '{key}' must be a positive integer, got {value!r}")
-    return value
 
 
 def _parse_rope(params: dict, cfg: dict, max_pos: int, where: str = "rope_parameters") -> RopeConfig:
@@ -160,7 +161,8 @@ def _layer_types(cfg: dict, family: str, num_layers: int) -> list[str]:
         if len(layer_types) != num_layers:
             raise ValueError(f"config.json field 'layer_types' has {len(layer_types)} entries for "
                              f"{num_layers} layers")
-        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        served = {"full_attention", "sliding_attention"} | ({"linear_attention"} if family in HYBRID_FAMILIES else set())
+        unknown = set(layer_types) - served
         if unknown:
             raise ValueError(f"config.json field 'layer_types' has unsupported entries {sorted(unknown)}")
         if "sliding_attention" in layer_types and not window:
@@ -168,6 +170,9 @@ def _layer_types(cfg: dict, family: str, num_layers: int) -> list[str]:
         if family == "smollm3" and not cfg.get("use_sliding_window"):
             return ["full_attention"] * num_layers  # SmolLM3 reads layer_types only with the flag on
         return list(layer_types)
+    if family in HYBRID_FAMILIES:  # older configs: every full_attention_interval-th layer attends
+        interval = cfg.get("full_attention_interval") or 4
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
     if FAMILIES[family].window_pattern and window:
         pattern = (cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
                    or FAMILIES[family].window_pattern)
@@ -189,6 +194,9 @@ def _layer_kinds(cfg: dict, family: str, num_layers: int, max_pos: int) -> tuple
         raise ValueError(f"config.json field 'no_rope_layers' has {len(uses_rope)} entries for {num_layers} layers")
     kinds = []
     for i, kind in enumerate(_layer_types(cfg, family, num_layers)):
+        if kind == "linear_attention":
+            kinds.append(LayerKind(rope=None, mixer="linear"))
+            continue
         if kind not in ropes and "*" not in ropes:
             raise ValueError(f"config.json field 'rope_parameters' has no entry for layer type '{kind}'")
         rope = ropes.get(kind, ropes.get("*"))
@@ -203,12 +211,17 @@ def _parse_moe(cfg: dict, family: str, num_layers: int) -> MoEConfig | None:
     if family == "mixtral":
         experts, width, renormalize = _positive_int(cfg, "num_local_experts"), _positive_int(cfg, "intermediate_size"), True
         layers = (True,) * num_layers
-    elif family == "qwen3_moe":
+    elif family in ("qwen3_moe", "qwen3_next", "qwen3_5_moe"):
+        if family != "qwen3_moe" and not cfg.get("num_experts"):
+            return None  # a dense Qwen3-Next
         key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
         experts, width = _positive_int(cfg, key), _positive_int(cfg, "moe_intermediate_size")
-        renormalize = bool(cfg.get("norm_topk_prob", False))
+        # Qwen3.5-MoE always renormalises (its config has no norm_topk_prob)
+        renormalize = family == "qwen3_5_moe" or bool(cfg.get("norm_topk_prob", family == "qwen3_next"))
         step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
         layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+        if family != "qwen3_moe" and cfg.get("shared_expert_intermediate_size"):
+            routing = dict(shared_size=_positive_int(cfg, "shared_expert_intermediate_size"), shared_gate=True)
     elif family in ("glm4_moe", "deepseek_v3"):  # DeepSeek's noaux_tc routing, which GLM-4.5 took over
         for key, served in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"), ("moe_layer_freq", 1)):
             if cfg.get(key, served) != served:
@@ -244,29 +257,9 @@ def _parse_moe(cfg: dict, family: str, num_layers: int) -> MoEConfig | None:
     top_k = _positive_int(cfg, "num_experts_per_tok")
     if top_k > experts:
         raise ValueError(f"config.json num_experts_per_tok {top_k} exceeds the {experts} experts")
-    if cfg.get("shared_expert_intermediate_size"):
+    if cfg.get("shared_expert_intermediate_size") and not routing.get("shared_gate"):
         raise ValueError("config.json has a gated shared expert (shared_expert_intermediate_size); not supported")
     return MoEConfig(experts, top_k, width, renormalize, layers, **routing)
-
-
-def _parse_mla(cfg: dict) -> MLAConfig:
-    """DeepSeek-V3's latent attention fields (head_dim in its config.json is the RoPE key's width)."""
-    if cfg.get("attention_bias"):
-        raise ValueError("config.json field 'attention_bias' is true: biased latent-attention projections are not supported")
-    q_lora = cfg.get("q_lora_rank")
-    if q_lora is not None and (not isinstance(q_lora, int) or q_lora <= 0):
-        raise ValueError(f"config.json field 'q_lora_rank' must be a positive integer or null, got {q_lora!r}")
-    return MLAConfig(kv_lora_rank=_positive_int(cfg, "kv_lora_rank"), qk_nope_head_dim=_positive_int(cfg, "qk_nope_head_dim"),
-                     qk_rope_head_dim=_positive_int(cfg, "qk_rope_head_dim"), v_head_dim=_positive_int(cfg, "v_head_dim"),
-                     q_lora_rank=q_lora, rope_interleave=bool(cfg.get("rope_interleave", True)))
-
-
-def _mla_scale(mla: MLAConfig, rope: RopeConfig) -> float:
-    """The softmax scale: YaRN's mscale_all_dim scales the whole q.k (not only its rotated dims) by mscale^2."""
-    scale = mla.qk_head_dim ** -0.5
-    if rope.rope_type != "default" and rope.mscale_all_dim:
-        scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
-    return scale
 
 
 def _architecture(cfg: dict) -> str:
@@ -290,7 +283,8 @@ def _soft_cap(cfg: dict, key: str) -> float | None:
 
 
 # multimodal architectures served as their text model: config.json's text_config describes it
-TEXT_OF_MULTIMODAL = frozenset({"Gemma3ForConditionalGeneration"})
+TEXT_OF_MULTIMODAL = frozenset({"Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+                                "Qwen3_5MoeForConditionalGeneration"})
 # what a multimodal config.json states at its top level for the whole model (the text model's too)
 _SHARED_FIELDS = ("dtype", "torch_dtype", "eos_token_id", "tie_word_embeddings")
 
@@ -321,7 +315,7 @@ def parse_hf_config(cfg: dict) -> dict[str, Any]:
     num_layers = _positive_int(cfg, "num_hidden_layers")
     num_heads = _positive_int(cfg, "num_attention_heads")
     num_kv = cfg.get("num_key_value_heads") or num_heads
-    mla = _parse_mla(cfg) if family_name == "deepseek_v3" else None
+    mla = parse_mla(cfg) if family_name == "deepseek_v3" else None
     if mla is not None:  # one latent row per token, read by every head
         num_kv = 1
     if num_heads % num_kv:
@@ -350,11 +344,11 @@ def parse_hf_config(cfg: dict) -> dict[str, Any]:
     layers = _layer_kinds(cfg, family_name, num_layers, max_pos)
     scale = float(_require(cfg, "query_pre_attn_scalar")) ** -0.5 if gemma else None
     if mla is not None:
-        scale = _mla_scale(mla, layers[0].rope)
+        scale = mla_scale(mla, layers[0].rope)
     return dict(
         architecture=arch, family=family_name,
         vocab_size=_positive_int(cfg, "vocab_size"), hidden_size=hidden,
-        intermediate_size=_positive_int(cfg, "intermediate_size"), num_layers=num_layers,
+        intermediate_size=_intermediate_size(cfg, moe), num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -373,4 +367,13 @@ def parse_hf_config(cfg: dict) -> dict[str, Any]:
         final_soft_cap=_soft_cap(cfg, "final_logit_softcapping") if gemma else None,
         attention_sinks=family_name == "gpt_oss",
         mla=mla,
+        linear=parse_linear(cfg, family_name) if family_name in HYBRID_FAMILIES else None,
+        attn_output_gate=family_name in HYBRID_FAMILIES,
     )
+
+
+def _intermediate_size(cfg: dict, moe: MoEConfig | None) -> int:
+    """The dense MLP's width; a stack whose every MLP is sparse may leave it out (Qwen3.5-MoE)."""
+    if cfg.get("intermediate_size") is None and moe is not None and all(moe.layers):
+        return moe.shared_size or moe.intermediate_size
+    return _positive_int(cfg, "intermediate_size")

@@ -80,8 +80,19 @@ def max_tokens(windows: tuple[int | None, ...], num_pages: int, page_size: int, 
     return lo
 
 
-def kv_groups(layer_windows: tuple[int | None, ...]) -> KVGroups:
-    """The grouping of a stack whose layer i has window layer_windows[i] (None: full attention)."""
+def kv_groups(layer_windows: tuple[int | None, ...], paged: tuple[bool, ...] | None = None) -> KVGroups:
+    """The grouping of a stack whose layer i has window layer_windows[i] (None: full attention).
+    paged: per layer, whether it keeps K/V pages at all (a linear-attention layer keeps a recurrent
+    state instead: group and array -1); None: every layer."""
+    if paged is not None and not all(paged):
+        attending = [i for i, p in enumerate(paged) if p]
+        if not attending:
+            raise ValueError("a stack needs at least one attention layer for the KV pool")
+        inner = kv_groups(tuple(layer_windows[i] for i in attending))
+        group, array = [-1] * len(paged), [-1] * len(paged)
+        for j, i in enumerate(attending):
+            group[i], array[i] = inner.layer_group[j], inner.layer_array[j]
+        return dataclasses.replace(inner, layer_group=tuple(group), layer_array=tuple(array))
     n = len(layer_windows)
     kinds = list(dict.fromkeys(sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))))
     if len(kinds) == 1:

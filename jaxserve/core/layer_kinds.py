@@ -53,6 +53,7 @@ class MoEConfig:
     topk_group: int = 1            # groups kept before the top-k
     routed_scale: float = 1.0      # routed_scaling_factor
     shared_size: int = 0           # the shared expert's MLP width (0: none)
+    shared_gate: bool = False      # the shared expert's output x sigmoid(x . w) (Qwen3-Next, Qwen3.5-MoE)
     router_bias: bool = False      # the router's logits carry a bias (gpt-oss)
     expert_biases: bool = False    # every expert projection carries a bias (gpt-oss)
     # the experts' activation: "silu" (SwiGLU) or "clamped_swiglu" (gpt-oss: gate clamped above at
@@ -89,9 +90,45 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): per sequence and linear layer a
+    fixed-size state instead of K/V pages, a causal-conv window [conv_kernel - 1, conv_dim] and a
+    delta-rule matrix [num_v_heads, k_head_dim, v_head_dim] (model/linear_attention.py). q and k
+    have num_k_heads heads, each serving num_v_heads / num_k_heads value heads."""
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    # the checkpoint's input projections: "qkvz" (Qwen3-Next: in_proj_qkvz and in_proj_ba, grouped
+    # per key head) or "separate" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
+    projections: str = "separate"
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The conv's channels: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerKind:
     """What one decoder layer's attention is: a stack of 2026 mixes kinds (gpt-oss and Gemma
     alternate sliding and full layers, Gemma 3 gives each its own RoPE base, SmolLM3 drops RoPE
     on every fourth layer)."""
     window: int | None = None                  # sliding window in tokens (q - k < window); None: full
     rope: RopeConfig | None = RopeConfig()     # this layer's RoPE; None: no rotary embedding (NoPE)
+    # the token mixer: "attention" (K/V pages), or "linear" (ModelConfig.linear: a recurrent state,
+    # no pages; window and rope unused)
+    mixer: str = "attention"
+
+    @property
+    def linear(self) -> bool:
+        return self.mixer == "linear"

@@ -103,6 +103,10 @@ class Sequence:
     # ignored) cannot stop it before max_len.
     decode_until: int = 0
     commit_at: int = 0
+    # a hybrid stack with prefix caching: the prefix keys of its full pages known at admission, under
+    # which its prefill chunks snapshot their end states (engine/state_slots.py)
+    snapshot_keys: list[bytes] = dataclasses.field(default_factory=list, repr=False)
+    snapshot_cut: int = 0  # where its prefix-cache match ended past the last snapshot: a chunk ends there
     stop_ids: frozenset[int] = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:

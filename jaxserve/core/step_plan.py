@@ -105,6 +105,9 @@ class StepPlan:
     # (src_page, dst_page) copies done before the step; they read the pages as they were before the
     # step, and no page is a destination twice.
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # a hybrid stack's (src slot, dst slot) recurrent-state copies before the step (a fork: the
+    # child's slot takes its parent's state; engine/state_slots.py)
+    state_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # host KV tier (page_allocator.py): done before the copies, demotions first
     demotions: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (device page, host slot)
     promotions: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host slot, device page)
@@ -122,6 +125,10 @@ class StepPlan:
     # DecodeRows row reads when it is turned into a ScheduledChunk
     page_tables: Callable[[str], list[list[int]]] | None = dataclasses.field(default=None, repr=False,
                                                                                compare=False)
+    # a hybrid stack's seq_id -> its recurrent-state slot (the allocator's live map), else None
+    state_slots: dict[str, int] | None = dataclasses.field(default=None, repr=False, compare=False)
+    # seq_id -> the snapshot slot its chunk's end state is also written to (engine/state_slots.py)
+    state_snapshots: dict[str, int] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:

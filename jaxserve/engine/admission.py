@@ -85,6 +85,11 @@ class Admission:
                 leader.prefix_keys = (num_tokens, alloc.prefix_keys(leader.token_slice(0, num_tokens), namespace))
             keys = leader.prefix_keys[1]
             cached, num_cached = alloc.match_groups(keys)
+            if alloc.states.num_snapshots:  # a hybrid stack: only as far as a state snapshot reaches
+                leader.snapshot_cut = num_cached  # its first chunk ends (and snapshots) where the match did
+                cached = alloc.states.restorable(cached, keys)
+                num_cached = len(cached[0]) * alloc.page_size
+                leader.snapshot_keys = keys
             assert num_cached <= leader.target_len  # the match never covers the last token
             first = min(leader.target_len - num_cached, st.budget)
             if not alloc.fits(cached, num_cached + first):
@@ -97,6 +102,8 @@ class Admission:
             self._waiting.popleft()
             leader.prefix_keys = None
             alloc.open_groups(leader.seq_id, namespace, cached, keys, num_query_tokens=num_tokens)
+            if alloc.states.num_snapshots and num_cached:
+                alloc.states.restore(leader.seq_id, keys[num_cached // alloc.page_size - 1])
             if leader.admitted_once:  # a preempted sequence resumes: what came back from the host is a swap-in
                 self._num_swapped_in_pages += sum(1 for pages in cached for p in pages if p is not None and p < 0)
             st.cache_hit_tokens += num_cached

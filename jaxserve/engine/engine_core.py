@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 
 from jaxserve.core.buckets import choose_bucket
 from jaxserve.core.config import EngineConfig, ModelConfig
+from jaxserve.core.capacity import state_slot_counts
 from jaxserve.core.kv_groups import kept_windows
 from jaxserve.core.request import Request, TokenEvent
 from jaxserve.core.step_plan import SampledRows, StepPlan
@@ -78,7 +79,9 @@ class EngineCore:
         self.engine_cfg = engine_cfg = self.runner.engine_cfg  # every size resolved
         self.allocator = PageAllocator(self.runner.num_pages, engine_cfg.page_size,
                                        engine_cfg.enable_prefix_caching, self.runner.num_host_pages,
-                                       windows=kept_windows(model_cfg.kv_groups.windows, engine_cfg.speculative_config))
+                                       windows=kept_windows(model_cfg.kv_groups.windows, engine_cfg.speculative_config),
+                                       **dict(zip(("num_state_slots", "num_state_snapshots"), state_slot_counts(
+                                           model_cfg, engine_cfg.max_num_seqs, engine_cfg.enable_prefix_caching))))
         self.scheduler = Scheduler(engine_cfg, self.allocator)
         self.scheduler.swap_costs = self.runner.swap_costs
         if self.runner.lora is not None:

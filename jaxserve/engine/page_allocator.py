@@ -28,6 +28,9 @@ so no demotion of the same step overwrites it before its promotion has read it. 
 sequence's committed pages are cached like any other: with a host tier its resumption promotes
 them back instead of recomputing (swap), unless the scheduler drops them (`forget`). The host
 pages' own bookkeeping is host_tier_index.py.
+
+State slots (`num_state_slots` > 0: a hybrid stack's linear-attention layers): every open sequence
+also holds a recurrent-state slot from its opening to its freeing (state_slots.py).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from jaxserve.engine.page_invariants import check_invariants
 from jaxserve.engine.page_shipping import ShippedPages
 from jaxserve.engine.prefix_keys import host_page, namespace_key, page_key  # noqa: F401  (host_page: re-exported)
 from jaxserve.engine.prefix_match import PrefixMatch
+from jaxserve.engine.state_slots import StateSlots
 
 
 class NoFreePagesError(RuntimeError):
@@ -60,8 +64,11 @@ class PrefixCacheStats:
 
 class PageAllocator(PrefixMatch, ShippedPages):
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 num_host_pages: int = 0, windows: Seq[int | None] = (None,)) -> None:
-        """windows: per KV layer group (core/kv_groups.py) its sliding window, None for full attention."""
+                 num_host_pages: int = 0, windows: Seq[int | None] = (None,), num_state_slots: int = 0,
+                 num_state_snapshots: int = 0) -> None:
+        """windows: per KV layer group (core/kv_groups.py) its sliding window, None for full attention;
+        num_state_slots, num_state_snapshots: a hybrid stack's recurrent-state slots for running
+        sequences and for prefix-cache snapshots (state_slots.py; 0: none)."""
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
         if not isinstance(page_size, int) or page_size <= 0:
@@ -88,6 +95,7 @@ class PageAllocator(PrefixMatch, ShippedPages):
         self.num_host_pages = num_host_pages if enable_prefix_caching else 0
         self.host = HostTierIndex(self.num_host_pages)
         self.host_hit_tokens = 0  # prompt tokens whose pages came back from the host tier
+        self.states = StateSlots(num_state_slots, num_state_snapshots if enable_prefix_caching else 0)
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -178,6 +186,7 @@ class PageAllocator(PrefixMatch, ShippedPages):
             raise ValueError(f"sequence {seq_id!r} already has a page table")
         if len(cached) != self.num_groups:
             raise ValueError(f"{len(cached)} groups of cached pages for {self.num_groups} layer groups")
+        self.states.take(seq_id)  # first: running out of slots leaves nothing half open
         n = len(cached[0])
         tables, los, from_host = [], [], set()  # from_host: page indices some group promotes
         for pages in cached:  # device hits first: a promotion's fresh page must not evict one of them
@@ -302,6 +311,7 @@ class PageAllocator(PrefixMatch, ShippedPages):
         """`child_id` shares every page of `parent_id` (read-only until `grow` copies on write)."""
         if child_id in self._tables:
             raise ValueError(f"sequence {child_id!r} already has a page table")
+        self.states.fork(parent_id, child_id)  # first: running out of slots leaves nothing half done
         for page in self.held_pages(parent_id):
             self._ref[page] += 1
         self._tables[child_id] = [list(table) for table in self._tables[parent_id]]
@@ -314,6 +324,7 @@ class PageAllocator(PrefixMatch, ShippedPages):
         Tail pages are released first so the LRU evicts a sequence's tail before its head."""
         tables, los = self._tables.pop(seq_id), self._lo.pop(seq_id)
         del self._seq_keys[seq_id], self._seq_root[seq_id]
+        self.states.free(seq_id)
         for table, lo in zip(tables, los):
             for page in reversed(table[lo:]):
                 self._release(page)
@@ -327,6 +338,7 @@ class PageAllocator(PrefixMatch, ShippedPages):
             self._unkey(page)
             self._free.append(page)
         self.host.reset()
+        self.states.reset()
         return n
 
     def forget(self, seq_id: str) -> None:

@@ -172,6 +172,7 @@ class Scheduler(Admission, Inbox, Updates):
             raise RuntimeError(f"{self._outstanding} plans await update(); async scheduling plans one "
                                "step ahead at most")
         st = _Step(StepPlan(), self._step_tokens())
+        self.allocator.states.promote()  # snapshots the last dispatched plan writes: restorable from now
         self.limited = None
         if self.drafting is not None:
             self.drafting.start_step()
@@ -201,6 +202,7 @@ class Scheduler(Admission, Inbox, Updates):
         moves = self.allocator.drain_transfers()
         plan.demotions, plan.promotions = moves.demotions, moves.promotions
         plan.page_tables = self.allocator.tables_or_empty
+        plan.state_slots = self.allocator.states.slot_of if self.allocator.states.num_slots else None
         decodes = plan.decodes
         top = -1  # the most logprob alternatives a row asks for
         for seq in decodes.seqs:
@@ -229,8 +231,10 @@ class Scheduler(Admission, Inbox, Updates):
         plan.num_tokens, plan.num_samples, plan.num_drafts = num_tokens, num_samples, num_drafts
         plan.num_top_logprobs = top
         self._outstanding += bool(plan.num_seqs)
-        if plan.num_seqs:
+        if plan.num_seqs:  # a plan without sequences is not run: what it would carry waits for the next
             plan.released, self._released = self._released, []
+            plan.state_snapshots = self.allocator.states.register(plan.listed, owners, self.allocator.page_size)
+            plan.state_copies = self.allocator.states.drain_copies()
         if logger.isEnabledFor(logging.DEBUG):
             chunks = plan.chunks
             decodes = sum(1 for c in chunks if len(c.token_ids) == 1 + len(c.draft_token_ids))
@@ -333,6 +337,8 @@ class Scheduler(Admission, Inbox, Updates):
         length = min(seq.target_len - start, st.budget)
         if length <= 0:
             return
+        if alloc.states.num_snapshots:  # a hybrid's prefill chunks end on page boundaries (state snapshots)
+            length = alloc.states.snapshot_length(start, length, alloc.page_size, seq.snapshot_cut)
         if alloc.has_windows:  # pages a sliding window left go back to the pool, cached first
             self._commit(seq)
             alloc.release_window(seq.seq_id, start)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.config import ModelConfig
+from kernels_pallas.gated_delta_reference import causal_conv1d, gated_delta_chunked
 from jaxserve.model.lora import LoraInputs
 from jaxserve.model.transformer import forward
 from jaxserve.model.weights import Weights
@@ -50,6 +51,25 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Arr
     return out.reshape(b, s, hq, hd)
 
 
+class DenseMixer:
+    """A hybrid stack's linear layers over the left-padded batch: each row from a zero state. The
+    conv's inputs at padding are zeroed (as transformers does), so a padded row's q, k and v there
+    are zero and its state stays zero until its first token."""
+
+    def __init__(self, cfg: ModelConfig, key_valid: jax.Array) -> None:
+        self.cfg, self.key_valid = cfg, key_valid  # [B, S] bool
+
+    def conv(self, i: int, x: jax.Array, weight: jax.Array) -> jax.Array:
+        x = jnp.where(self.key_valid[..., None], x, 0)
+        start = jnp.zeros((weight.shape[1] - 1, x.shape[-1]), x.dtype)
+        return jax.vmap(lambda row: causal_conv1d(row, start, weight)[0])(x)
+
+    def delta(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array) -> jax.Array:
+        lin = self.cfg.linear
+        start = jnp.zeros((lin.num_v_heads, lin.k_head_dim, lin.v_head_dim), jnp.float32)
+        return jax.vmap(lambda *row: gated_delta_chunked(*row, start)[0])(q, k, v, g, beta)
+
+
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
     """transformers' left-padding positions: cumsum(mask) - 1, padding positions set to 1."""
     pos = jnp.cumsum(attention_mask, axis=-1) - 1
@@ -73,8 +93,9 @@ def forward_dense(weights: Weights, cfg: ModelConfig, tokens: jax.Array, attenti
     def attend(i, q, k, v, cache, sinks=None):
         return dense_attention(q, k, v, key_valid, cfg.layer_windows[i], cfg.scale, cfg.attn_soft_cap, sinks), cache
 
+    mixer = DenseMixer(cfg, key_valid) if cfg.linear is not None else None
     logits, _ = forward(weights, cfg, tokens, positions, attend, [None] * cfg.num_layers,
-                        seq_lens_per_token=seq_lens, lora=lora)
+                        seq_lens_per_token=seq_lens, lora=lora, mixer=mixer)
     return logits[..., : cfg.vocab_size]
 
 

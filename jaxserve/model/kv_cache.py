@@ -11,7 +11,9 @@ store 8-bit values and per layer a K and a V scale array [num_pages, num_kv_head
 float32 (kernels_pallas/kv_quant.py), quantized here as they are written. A token's
 slot is `page * page_size + offset`. Multi-head latent attention (cfg.mla) stores one array per
 layer, a latent row [kv_lora_rank + rope] per token as its one KV head, which attention reads as
-both K and V (a LayerKV whose k is its v and whose v_scales are its k_scales). Padding tokens
+both K and V (a LayerKV whose k is its v and whose v_scales are its k_scales). A hybrid stack's
+linear-attention layers keep no pages: their recurrent states ride beside the pages in `states`
+(model/state_cache.py), so they are donated with them. Padding tokens
 carry the out-of-bounds slot `num_pages * page_size` and every write uses `mode="drop"`, so
 padding never touches a real page.
 Pages are allocated and freed on the host (page_allocator.py); this file never decides which.
@@ -19,6 +21,7 @@ Pages are allocated and freed on the host (page_allocator.py); this file never d
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -29,6 +32,8 @@ from jax.sharding import NamedSharding
 from jaxserve.parallel import sharding
 from jaxserve.core.config import ModelConfig
 from jaxserve.core.kv_groups import fused_kv, pool_head_dim
+from jaxserve.model import state_cache
+from jaxserve.model.state_cache import LinearState
 from jaxserve.model.weights import logical_dims
 from kernels_pallas.kv_quant import SCALE_DTYPE, is_quantized, quantize
 
@@ -55,6 +60,8 @@ class KVPages:
     v: list[jax.Array]  # empty when k holds K and V side by side (kv_groups.fused_kv)
     k_scales: list[jax.Array] | None = None  # per pool array [num_pages, num_kv_heads, page_size] (quantized)
     v_scales: list[jax.Array] | None = None
+    # per linear-attention layer its state slots (model/state_cache.py); empty without such layers
+    states: list[LinearState] = dataclasses.field(default_factory=list)
 
     @property
     def num_pages(self) -> int:
@@ -89,9 +96,15 @@ def kv_sharding(cfg: ModelConfig, placement: sharding.Placement) -> NamedShardin
     return _sharding(cfg, placement, KV_AXES)
 
 
-def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, placement: sharding.Placement) -> KVPages:
+def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, placement: sharding.Placement,
+             num_state_slots: int = 0, state_dtype: Any = None) -> KVPages:
     """The pool's declaration: ShapeDtypeStructs placed by `placement`; `dtype` is the storage dtype
-    (8-bit: with scales). Allocation, the programs' lowering and the memory plans all read it."""
+    (8-bit: with scales). Allocation, the programs' lowering and the memory plans all read it.
+    A hybrid stack (cfg.linear) also declares `num_state_slots` recurrent-state slots, their conv
+    windows in `state_dtype` (the compute dtype)."""
+    if cfg.linear is not None and num_state_slots <= 0:
+        raise ValueError("a model with linear-attention layers needs num_state_slots > 0 (one per running sequence)")
+    states = state_cache.abstract(cfg, num_state_slots, state_dtype or dtype, placement)
     platform = placement.mesh.devices.flat[0].platform
     fused = cfg.mla is None and fused_kv(cfg.head_dim, platform)
     width = 2 * cfg.head_dim if fused else pool_head_dim(cfg.head_dim, platform, latent=cfg.mla is not None)
@@ -102,15 +115,17 @@ def abstract(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, place
                                   sharding=kv_sharding(cfg, placement)) for _ in range(n)]
             for n in (arrays, 0 if one_array else arrays))
     if not is_quantized(dtype):
-        return KVPages(k=k, v=v)
+        return KVPages(k=k, v=v, states=states)
     scale = jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size), SCALE_DTYPE,
                                  sharding=_sharding(cfg, placement, SCALE_AXES))
-    return KVPages(k=k, v=v, k_scales=[scale] * arrays, v_scales=[] if cfg.mla is not None else [scale] * arrays)
+    return KVPages(k=k, v=v, k_scales=[scale] * arrays, v_scales=[] if cfg.mla is not None else [scale] * arrays,
+                   states=states)
 
 
-def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, placement: sharding.Placement) -> KVPages:
+def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, placement: sharding.Placement,
+             num_state_slots: int = 0, state_dtype: Any = None) -> KVPages:
     """A zeroed pool (every array its own buffer, so each can be donated)."""
-    return sharding.zeros(abstract(cfg, num_pages, page_size, dtype, placement))
+    return sharding.zeros(abstract(cfg, num_pages, page_size, dtype, placement, num_state_slots, state_dtype))
 
 
 def write(layer: LayerKV, k: jax.Array, v: jax.Array | None, slot_mapping: jax.Array) -> LayerKV:
@@ -147,9 +162,17 @@ def pad_lanes(x: jax.Array, width: int) -> jax.Array:
     return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-def copy_pages(kv: KVPages, src: jax.Array, dst: jax.Array) -> KVPages:
+def copy_pages(kv: KVPages, src: jax.Array, dst: jax.Array, state_src: jax.Array | None = None,
+               state_dst: jax.Array | None = None) -> KVPages:
     """Copy-on-write: page dst[i] becomes a copy of page src[i] (values and scales). src, dst: [C]
-    int32; an out-of-bounds dst (padding) copies nothing."""
+    int32; an out-of-bounds dst (padding) copies nothing. A hybrid stack's state slots: slot
+    state_dst[j] becomes a copy of state_src[j] (a forked sample takes its parent's state)."""
     def one(pages: jax.Array) -> jax.Array:
         return pages.at[dst].set(jnp.take(pages, src, axis=0, mode="clip"), mode="drop")
-    return jax.tree.map(one, kv)
+    states = kv.states if state_src is None else state_cache.copy_states(kv.states, state_src, state_dst)
+    return jax.tree.map(one, kv.replace(states=[])).replace(states=states)
+
+
+def page_leaves(kv: KVPages) -> list[jax.Array]:
+    """The pool's page arrays (values and scales), without a hybrid's state slots."""
+    return jax.tree.leaves(kv.replace(states=[]))

@@ -139,7 +139,10 @@ def shared_expert(layer: LayerWeights, x: jax.Array) -> jax.Array | float:
     if layer.ws_gate is None:
         return 0.0
     h = jax.nn.silu(einsum("...d,df->...f", x, layer.ws_gate)) * einsum("...d,df->...f", x, layer.ws_up)
-    return einsum("...f,fd->...d", h, layer.ws_down)
+    out = einsum("...f,fd->...d", h, layer.ws_down)
+    if layer.shared_gate is not None:  # Qwen3-Next: a per-token sigmoid gate on the shared expert
+        out = jax.nn.sigmoid(jnp.einsum("...d,d->...", x, layer.shared_gate))[..., None] * out
+    return out
 
 
 def expert_activation(moe: MoEConfig, gate: jax.Array, up: jax.Array) -> jax.Array:

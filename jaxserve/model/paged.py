@@ -5,6 +5,8 @@ over the sequences' page tables (its layer group's: core/kv_groups.py). Logits a
 for `logits_index` rows.
 A token row with `prev_sample_row >= 0` takes its id from `prev_ids` (the previous step's sampled
 ids, still on the device): async scheduling plans a decode before its token reaches the host.
+A hybrid stack's linear-attention layers read and write their sequences' recurrent-state slots
+instead (`PagedMixer`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.model import kv_cache
+from jaxserve.model.state_cache import LinearState
+from kernels_pallas.gated_delta_reference import ragged_causal_conv1d, ragged_gated_delta
 from jaxserve.core.config import ModelConfig
 from jaxserve.model.lora import LoraInputs
 from jaxserve.model.transformer import forward
@@ -81,6 +85,50 @@ def paged_attend(cfg: ModelConfig, arrays: Any, attention_fn: Callable[..., jax.
     return attend
 
 
+class PagedMixer:
+    """The linear layers over the ragged step: sequence row s runs its q_len tokens from the state
+    in its slot (`arrays.state_slot[s]`), or from zero when its chunk starts at position 0, and
+    leaves its state there. `states` (one LinearState per linear layer) is updated as the layers
+    are traced. Rows without tokens (padding) read nothing that matters and write nothing."""
+
+    def __init__(self, cfg: ModelConfig, arrays: Any, states: list[LinearState]) -> None:
+        self.cfg, self.states = cfg, states
+        self.layer_state = {layer: j for j, layer in enumerate(cfg.linear_layers)}
+        cu = arrays.cu_q_lens
+        self.starts, self.lens = cu[:-1], cu[1:] - cu[:-1]                      # [S]
+        first = arrays.positions[jnp.clip(self.starts, 0, arrays.positions.shape[0] - 1)]
+        self.fresh = first == 0                                                 # [S] starts from zero
+        num_slots = states[0].delta.shape[0]
+        self.read_slot = arrays.state_slot
+        # each row's end state to its own slot and, at a page boundary, to a prefix-cache snapshot
+        # (engine/state_slots.py); out of bounds (padding, no snapshot): dropped
+        self.write_slot = jnp.concatenate([jnp.where(self.lens > 0, arrays.state_slot, num_slots),
+                                           jnp.where(self.lens > 0, arrays.state_snapshot, num_slots)])
+
+    def _read(self, slots: jax.Array) -> jax.Array:
+        """[N, ...] -> each row's starting state [S, ...] (zeros where fresh or padding)."""
+        got = jnp.take(slots, self.read_slot, axis=0, mode="fill", fill_value=0)
+        return jnp.where(self.fresh.reshape((-1,) + (1,) * (got.ndim - 1)), jnp.zeros_like(got), got)
+
+    def _write(self, slots: jax.Array, new: jax.Array) -> jax.Array:
+        new = new.astype(slots.dtype)
+        return slots.at[self.write_slot].set(jnp.concatenate([new, new]), mode="drop")
+
+    def conv(self, i: int, x: jax.Array, weight: jax.Array) -> jax.Array:
+        j = self.layer_state[i]
+        st = self.states[j]
+        y, new = ragged_causal_conv1d(x, self._read(st.conv).astype(x.dtype), self.starts, self.lens, weight)
+        self.states[j] = st._replace(conv=self._write(st.conv, new))
+        return y
+
+    def delta(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array) -> jax.Array:
+        j = self.layer_state[i]
+        st = self.states[j]
+        out, new = ragged_gated_delta(q, k, v, g, beta, self._read(st.delta), self.starts, self.lens)
+        self.states[j] = st._replace(delta=self._write(st.delta, new))
+        return out
+
+
 def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arrays: Any,
                   attention_fn: Callable[..., jax.Array],
                   prev_ids: jax.Array, lora: Any = None, aux_layers: tuple[int, ...] = (),
@@ -98,7 +146,11 @@ def forward_paged(weights: Weights, cfg: ModelConfig, kv: kv_cache.KVPages, arra
         num_slots = next(iter(lora[0].values()))[1].shape[0]  # any module's b: [N, R, *out]
         one_hot = (arrays.lora_slot[:, None] == jnp.arange(num_slots)[None, :]).astype(jnp.float32)  # [T, N]
         lora_inputs = LoraInputs(lora, one_hot)
+    mixer = PagedMixer(cfg, arrays, list(kv.states)) if cfg.linear_layers else None
     out = forward(weights, cfg, token_ids, arrays.positions, attend, [None] * cfg.num_layers,
                   logits_index=arrays.logits_index, seq_lens_per_token=seq_len_per_token, lora=lora_inputs,
-                  aux_layers=aux_layers, moe_fn=moe_fn)
-    return (out[0], kv_cache.KVPages.from_layers(pool), *out[2:])
+                  aux_layers=aux_layers, moe_fn=moe_fn, mixer=mixer)
+    pages = kv_cache.KVPages.from_layers(pool)
+    if mixer is not None:
+        pages = pages.replace(states=mixer.states)
+    return (out[0], pages, *out[2:])

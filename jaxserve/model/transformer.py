@@ -6,7 +6,8 @@ Qwen2 biases and q/k norms; DeepSeek's latent attention instead: model/mla.py), 
 (its own base, partial, or none: cfg.layers), the gated MLP (or a sparse MoE block:
 model/moe.py), the lm_head and its soft-cap. Attention is a callable
 `attend(layer, q, k, v, cache) -> (out, cache)` so the same body serves the dense parity path
-(`model/dense.py`) and the ragged paged step (`model/paged.py`). Token axes are leading
+(`model/dense.py`) and the ragged paged step (`model/paged.py`); a hybrid stack's linear-attention
+layers (model/linear_attention.py) take a `Mixer` the same way. Token axes are leading
 `...` axes: `[T]` for the ragged step, `[B, S]` for the dense path.
 """
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxserve.core.config import ModelConfig
 from jaxserve.model import lora as lora_apply
-from jaxserve.model import mla, rope
+from jaxserve.model import linear_attention, mla, rope
 from jaxserve.model.matmul import einsum
 from jaxserve.model.moe import moe_mlp
 from jaxserve.model.norms import rms_norm
@@ -86,17 +87,22 @@ def rotary_tables(cfg: ModelConfig, positions: jax.Array, seq_lens: jax.Array | 
 
 def decoder_layer(cfg: ModelConfig, i: int, layer: LayerWeights, x: jax.Array,
                   rotary: dict[Any, tuple[jax.Array, jax.Array]], attend: Attend, cache: Any, lora: Any = None,
-                  moe_fn: Callable[..., jax.Array] | None = None) -> tuple[jax.Array, Any]:
+                  moe_fn: Callable[..., jax.Array] | None = None,
+                  mixer: linear_attention.Mixer | None = None) -> tuple[jax.Array, Any]:
     """Layer i of the stack: x [..., D] -> (x after its attention and MLP blocks, its cache)."""
     pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
     h = norm(cfg, x, layer.attn_norm) if pre else x
-    if cfg.mla is not None:  # the latent is this attention's only K and V head (model/mla.py)
+    if cfg.layers[i].linear:
+        h = linear_attention.gated_delta_net(cfg, i, layer, h, mixer)
+    elif cfg.mla is not None:  # the latent is this attention's only K and V head (model/mla.py)
         h, cache = mla.attention(layer, h, rotary[cfg.layers[i].rope], cfg,
                                  lambda q, latent: attend(i, q, latent, latent, cache))
     else:
         q, k, v = qkv(layer, h, rotary.get(cfg.layers[i].rope), cfg, lora)
         out, cache = attend(i, q, k, v, cache, sinks=layer.sinks)
         out = out.astype(x.dtype)
+        if layer.wq_gate is not None:  # gated attention (Qwen3-Next): each head's output x sigmoid(gate)
+            out = out * jax.nn.sigmoid(einsum("...d,dhk->...hk", h, layer.wq_gate))
         h = lora_apply.add(_add(einsum("...hk,hkd->...d", out, layer.wo), layer.bo), "o_proj", out, lora)
     x = x + (norm(cfg, h, layer.post_attn_norm) if post else h)
     h = norm(cfg, x, layer.mlp_norm) if pre else x
@@ -108,7 +114,8 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
             attend: Attend, caches: Sequence[Any], *, logits_index: jax.Array | None = None,
             seq_lens_per_token: jax.Array | None = None,
             lora: lora_apply.LoraInputs | None = None,
-            aux_layers: tuple[int, ...] = (), moe_fn: Callable[..., jax.Array] | None = None) -> tuple[jax.Array, ...]:
+            aux_layers: tuple[int, ...] = (), moe_fn: Callable[..., jax.Array] | None = None,
+            mixer: linear_attention.Mixer | None = None) -> tuple[jax.Array, ...]:
     """tokens, positions: [...] int32. Returns (float32 logits, updated caches), and with
     `aux_layers` a third output: the residual stream entering each of those layers (num_layers:
     leaving the last one), concatenated in layer order ([..., len(aux_layers) * D]: what an
@@ -120,6 +127,7 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
     lora: adapter slots and each token's slot one-hot [..., N] (multi-LoRA), or None.
     moe_fn: the sparse blocks' function (moe_mlp's signature): expert_parallel.make_moe's explicit
     dispatch for an expert-parallel layout; None: moe.moe_mlp, partitioned by XLA.
+    mixer: what carries the linear-attention layers' states (a hybrid stack only).
     """
     x = jnp.take(weights.embed, tokens, axis=0)
     if cfg.embed_scale is not None:
@@ -130,7 +138,7 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: ja
         if i in aux_layers:
             aux.append(x)
         lo = None if lora is None else (lora.layers[i], lora.one_hot)
-        x, cache = decoder_layer(cfg, i, layer, x, rotary, attend, caches[i], lo, moe_fn)
+        x, cache = decoder_layer(cfg, i, layer, x, rotary, attend, caches[i], lo, moe_fn, mixer)
         new_caches.append(cache)
     if cfg.num_layers in aux_layers:  # the residual stream after the last layer (an MTP head reads it)
         aux.append(x)

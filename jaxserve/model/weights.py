@@ -76,6 +76,18 @@ class LayerWeights:
     kv_a_norm: Any = None   # [L]
     w_uk: Any = None        # [L, Hq, Dn] the latent's up-projection to each head's K (absorbed into q)
     w_uv: Any = None        # [L, Hq, Dv] ... and to each head's V (applied to the attention's output)
+    wq_gate: Any = None     # [D, Hq, hd] the attention output's gate (cfg.attn_output_gate)
+    shared_gate: Any = None  # [D]        the shared expert's gate (MoEConfig.shared_gate)
+    # a Gated DeltaNet layer (cfg.linear; its kind "linear"): wq/wk/wv/wo and their norms are None
+    lin_qkv: Any = None     # [D, C]      q, k, v side by side (C = 2 Hk Dk + Hv Dv: the conv's channels)
+    lin_z: Any = None       # [D, Hv, Dv] the output gate
+    lin_b: Any = None       # [D, Hv]     -> beta (write strength)
+    lin_a: Any = None       # [D, Hv]     -> g (decay)
+    lin_conv: Any = None    # [C, K]      the depthwise causal conv's taps
+    lin_dt_bias: Any = None  # [Hv]
+    lin_a_log: Any = None   # [Hv]
+    lin_norm: Any = None    # [Dv]        the gated RMSNorm's weight (plain: x weight)
+    lin_out: Any = None     # [Hv, Dv, D]
 
 
 @struct.dataclass
@@ -137,10 +149,24 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
             raise
 
     def layer(i: int) -> LayerWeights:
+        mixer = linear_attention() if cfg.layers[i].linear else {}
         if cfg.moe is not None and cfg.moe.layers[i]:
             return dataclasses.replace(dense(), w_gate=None, w_up=None, w_down=None, b_gate=None, b_up=None,
-                                       b_down=None, **experts())
-        return dense()
+                                       b_down=None, **experts(), **mixer)
+        return dataclasses.replace(dense(), **mixer)
+
+    def linear_attention() -> dict[str, ParamSpec | None]:
+        """A Gated DeltaNet layer's leaves, its attention's set to None. Kept in the compute dtype
+        and unquantized (their heads are split only by XLA)."""
+        lin = cfg.linear
+        hv, dv = lin.num_v_heads, lin.v_head_dim
+        return dict(wq=None, wk=None, wv=None, wo=None, bq=None, bk=None, bv=None, bo=None, q_norm=None, k_norm=None,
+                    wq_gate=None, sinks=None,
+                    lin_qkv=p([d, lin.conv_dim], ["embed", None]), lin_z=p([d, hv, dv], ["embed", None, None]),
+                    lin_b=p([d, hv], ["embed", None]), lin_a=p([d, hv], ["embed", None]),
+                    lin_conv=p([lin.conv_dim, lin.conv_kernel], [None, None]),
+                    lin_dt_bias=p([hv], [None], "ones"), lin_a_log=p([hv], [None]),
+                    lin_norm=p([dv], [None], "ones"), lin_out=p([hv, dv, d], [None, None, "embed"]))
 
     def experts() -> dict[str, ParamSpec]:
         e, fe, fs = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.moe.shared_size
@@ -166,6 +192,8 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
         if cfg.moe.expert_biases:
             leaves.update(be_gate=p([e, fe], ["expert", "expert_mlp"], "zeros"),
                           be_up=p([e, fe], ["expert", "expert_mlp"], "zeros"), be_down=p([e, d], ["expert", None], "zeros"))
+        if cfg.moe.shared_gate:
+            leaves["shared_gate"] = p([d], ["embed"])
         if fs:  # a dense MLP beside the experts: split like the dense MLP in every layout
             leaves.update(ws_gate=proj([d, fs], ["embed", "mlp"], [0], "shared_experts.gate_proj"),
                           ws_up=proj([d, fs], ["embed", "mlp"], [0], "shared_experts.up_proj"),
@@ -220,6 +248,7 @@ def abstract(cfg: ModelConfig, dtype: Any = jnp.float32) -> Weights:
             bo=p([d], ["embed"], "zeros") if cfg.o_bias else None,
             **qk_norms(),
             sinks=p([hq], ["q_heads"], "zeros") if cfg.attention_sinks else None,
+            wq_gate=attn([d, hq, hd], ["embed", "q_heads", "head_dim"], [0], "q_proj") if cfg.attn_output_gate else None,
             b_gate=p([f], ["mlp"], "zeros") if cfg.mlp_bias else None,
             b_up=p([f], ["mlp"], "zeros") if cfg.mlp_bias else None,
             b_down=p([d], ["embed"], "zeros") if cfg.mlp_bias else None,

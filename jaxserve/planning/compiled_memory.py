@@ -205,7 +205,8 @@ def _with_layers(cfg: ModelConfig, layers: int) -> ModelConfig:
     firsts: dict = {}
     for i, kind in enumerate(zip(cfg.layers, sparse)):
         firsts.setdefault(kind, i)
-    keep = sorted(firsts.values())[:layers]
+    # attention kinds first: a hybrid stack's copy keeps a layer with K/V pages however shallow
+    keep = sorted(sorted(firsts.values(), key=lambda i: (cfg.layers[i].linear, i))[:layers])
     keep = sorted(keep + [i for i in range(cfg.num_layers) if i not in keep][:layers - len(keep)])
     moe = None if cfg.moe is None else dataclasses.replace(cfg.moe, layers=tuple(sparse[i] for i in keep))
     return dataclasses.replace(cfg, num_layers=layers, layers=tuple(cfg.layers[i] for i in keep), moe=moe)

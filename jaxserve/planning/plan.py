@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from jaxserve.core import capacity
 from jaxserve.core.buckets import choose_bucket, declared_buckets
-from jaxserve.core.capacity import MachineInfo, flops_per_sampled_row, flops_per_token, kv_bytes_per_token
+from jaxserve.core.capacity import (MachineInfo, flops_per_sampled_row, flops_per_token, kv_bytes_per_token,
+                                    linear_state_bytes)
 from jaxserve.core.config import EngineConfig, ModelConfig
 from jaxserve.model.attention import make_attention
 from jaxserve.parallel import sharding
@@ -106,7 +107,7 @@ def weight_bytes_per_device(cfg: ModelConfig, dtype: Any, placement: sharding.Pl
 def _attention_flops(cfg: ModelConfig, q_tokens: int, context: int) -> float:
     """QK^T and PV of q_tokens queries over `context` keys, all layers (a sliding one over its
     window at most; per replica)."""
-    keys = sum(min(context, w or context) for w in cfg.layer_windows)
+    keys = sum(min(context, w or context) for w in cfg.attention_windows)
     # q.k over head_dim lanes and p.v over the value lanes (MLA absorbed: the latent row, and its latent part)
     v_width = cfg.head_dim if cfg.mla is None else cfg.mla.kv_lora_rank
     return 2.0 * q_tokens * keys * (cfg.head_dim + v_width) * cfg.num_heads
@@ -260,7 +261,8 @@ def _step_estimates(cfg: ModelConfig, chip: Any, layout: Layout, engine: EngineC
     fit = min(engine.max_num_seqs, max(1, int(_held(cfg, engine, num_pages, context))))  # sequences of `context` held
     layer_bytes = kv_per_token / cfg.kv_groups.num_arrays  # one layer's K/V of one token (pool arrays are shared)
     # a sequence's K/V read per decode step: each layer's context, a sliding layer's window at most
-    kv_read = layer_bytes * sum(min(context + 1, w or context + 1) for w in cfg.layer_windows)
+    kv_read = layer_bytes * sum(min(context + 1, w or context + 1) for w in cfg.attention_windows)
+    kv_read += 2 * linear_state_bytes(cfg, dtype.itemsize)  # a hybrid's states: read and written
     for b in sorted({b for b in (*DECODE_BATCHES, engine.max_num_seqs, batch or 1) if b <= fit} | {fit}):
         t, s = choose_bucket(buckets, b, b)
         flops = (t * flops_per_token(cfg) + _attention_flops(cfg, b, context) + s * flops_per_sampled_row(cfg)) / tp

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from jaxserve.core.buckets import Program
 from jaxserve.core.capacity import plan_capacity, swap_costs
 from jaxserve.core.config import EngineConfig, ModelConfig
+from jaxserve.core.linear_limits import check_linear
 from jaxserve.core.step_plan import StepPlan, SwapCosts
 from jaxserve.model import kv_cache
 from jaxserve.model.attention import make_attention
@@ -47,7 +48,7 @@ from jaxserve.runner.machine import machine_info
 from jaxserve.runner.packing import pack
 from jaxserve.runner.program_store import ProgramTable, cache_directory, fingerprint
 from jaxserve.runner.programs import (DONATED, FORWARD_STATICS, abstract_lora, copy_step, copy_width, forward_step,
-    kv_dtype, lower_program, rows_width, sample_step)
+    kv_dtype, lower_program, num_state_slots, pad_state_copies, rows_width, sample_step)
 from jaxserve.runner.proposers.draft_model import DraftRunner, check_compatible
 from jaxserve.runner.proposers.hidden_heads import HeadRunner
 from jaxserve.runner.sampler import SamplerOutput, bitmask_words
@@ -92,6 +93,7 @@ class ModelRunner:
         if draft is not None and head is None:
             check_compatible(model_cfg, draft[0])
             draft = duplicate_kv_heads(*draft, mesh)
+        check_linear(engine_cfg, model_cfg)
         if engine_cfg.enable_lora and (model_cfg.moe is not None or model_cfg.mla is not None):
             kind = "latent-attention" if model_cfg.mla is not None else "mixture-of-experts"
             raise ValueError(f"--enable-lora: LoRA adapters on a {kind} model are not supported yet")
@@ -108,13 +110,14 @@ class ModelRunner:
                                 getattr(mesh.devices.flat[0], "compute_capability", None))
         if note := kv_quant.platform_note(engine_cfg.kv_cache_dtype, machine.platform):
             logger.warning("%s", note)
+        self.num_state_slots = num_state_slots(engine_cfg, model_cfg)  # a hybrid stack's (0: none)
         self.kv = kv_cache.allocate(model_cfg, num_pages, engine_cfg.page_size, kv_dtype(engine_cfg, self.dtype),
-                                   placement)
+                                   placement, self.num_state_slots, self.dtype)
         self.num_pages = num_pages
         self._transfer: TransferEndpoint | None = None  # PD over jax.experimental.transfer, on first use
         self._transfer_lock = threading.Lock()
         self._replicated = sharding.replicated(mesh)
-        page_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.kv)) // num_pages  # all devices' shards
+        page_bytes = sum(leaf.nbytes for leaf in kv_cache.page_leaves(self.kv)) // num_pages  # all devices' shards
         self.num_host_pages = int(engine_cfg.kv_offload_gib * 2**30 // page_bytes) if engine_cfg.kv_offload_gib else 0
         self.host_tier = HostTier(self.kv, self._put, self.num_host_pages) if engine_cfg.kv_offload_gib else None
         self.swap_costs = None
@@ -125,7 +128,7 @@ class ModelRunner:
                         self.num_host_pages, engine_cfg.page_size, self.num_host_pages * engine_cfg.page_size,
                         engine_cfg.kv_offload_gib, self.host_tier.memory)
         self.builder = StepInputBuilder(engine_cfg, num_pages, model_cfg.vocab_size, eagle=head is not None,
-                                        num_groups=model_cfg.kv_groups.num_groups)
+                                        num_groups=model_cfg.kv_groups.num_groups, num_state_slots=self.num_state_slots)
         self._attention = make_attention(engine_cfg.attention_backend, model_cfg, placement)
         self._moe = make_moe(model_cfg, placement)  # None unless the layout splits whole experts
         self._rows_width = rows_width(engine_cfg)
@@ -136,7 +139,8 @@ class ModelRunner:
         # compilation cache dir without tracing; keyed on what shapes programs only, so every entry
         # point with the same sizes shares them. The attention's name: "auto" resolves per machine
         # (a native CPU kernel that built, or not)
-        self.programs = ProgramTable(cache_directory(), fingerprint(model_cfg, engine_cfg.program_fields(), self.dtype,
+        shaping = {**engine_cfg.program_fields(), **({"state_slots": self.num_state_slots} if self.num_state_slots else {})}
+        self.programs = ProgramTable(cache_directory(), fingerprint(model_cfg, shaping, self.dtype,
                                                                     rules,
                                                                     mesh.shape, mesh.devices.tolist(),
                                                                     getattr(self._attention, "__name__", "")),
@@ -173,7 +177,7 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.send(("forward", inputs))
         before = CompileCounter.count()
-        self._copy_pages(inputs.copies)
+        self._copy_pages(inputs.copies, inputs.state_copies)
         logits, self.kv = self._forward(inputs.arrays)
         if self.draft is not None:
             self.draft.fill(inputs.arrays, self._prev_ids)
@@ -239,10 +243,12 @@ class ModelRunner:
                 self._transfer = TransferEndpoint(bind_host)
             return self._transfer
 
-    def _copy_pages(self, copies: np.ndarray) -> None:
-        if len(copies):
+    def _copy_pages(self, copies: np.ndarray, state_copies: np.ndarray | None = None) -> None:
+        """Page copies (and a hybrid stack's state-slot copies) before a step, in one program."""
+        if len(copies) or (state_copies is not None and len(state_copies)):
             src, dst = self._put(self._pad_copies(copies))
-            self.kv = self.programs.call(("copy",), copy_step, {}, DONATED, self.kv, src, dst)
+            states = self._put(pad_state_copies(state_copies, self.num_state_slots))
+            self.kv = self.programs.call(("copy",), copy_step, {}, DONATED, self.kv, src, dst, *states)
             if self.proposer is not None:  # its pool mirrors the target's pages
                 self.proposer.copy_pages(copy_step, src, dst)
 

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxserve.model import kv_cache
 from jaxserve.parallel import sharding
 from jaxserve.core.buckets import Program, declared_buckets, logits_buckets
+from jaxserve.core.capacity import state_slot_counts
 from jaxserve.core.config import EngineConfig, ModelConfig
 from jaxserve.model import weights as weights_mod
 from jaxserve.model.expert_parallel import make_moe
@@ -74,13 +75,16 @@ def rows_width(engine_cfg: EngineConfig) -> int:
     return max(max(logits_buckets(engine_cfg, t, s)) for t, s in declared_buckets(engine_cfg))
 
 
-def dummy_arrays(program: Program, max_pages: int, pad_slot: int, lora: bool = False) -> StepArrays:
+def dummy_arrays(program: Program, max_pages: int, pad_slot: int, lora: bool = False,
+                 state_slots: int = 0) -> StepArrays:
     """A forward bucket's step that writes nothing (every slot is padding) and has no live sequence
-    (lora: with the per-token adapter slots that LoRA-enabled steps carry)."""
+    (lora: with the per-token adapter slots that LoRA-enabled steps carry; state_slots: a hybrid
+    stack's slot count, every row's slot out of bounds)."""
     t, s = program.tokens, program.rows
     z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     return StepArrays(z(t), z(t), z(t), np.full(t, pad_slot, np.int32), z(s + 1), z(s), z(s, max_pages),
-                      z(1), z(program.logits), np.full(t, -1, np.int32), np.full(t, -1, np.int32) if lora else None)
+                      z(1), z(program.logits), np.full(t, -1, np.int32), np.full(t, -1, np.int32) if lora else None,
+                      *((np.full(s, state_slots, np.int32),) * 2 if state_slots else ()))
 
 
 def dummy_sampling(s: int, h: int) -> SamplingTensors:
@@ -92,6 +96,22 @@ def dummy_sampling(s: int, h: int) -> SamplingTensors:
 def table_width(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     """Columns of a forward step's page_tables: every KV layer group's table side by side."""
     return engine_cfg.max_pages_per_seq * model_cfg.kv_groups.num_groups
+
+
+def num_state_slots(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    """A hybrid stack's recurrent-state slots in all (0 without linear layers): capacity.state_slot_counts."""
+    return sum(state_slot_counts(model_cfg, engine_cfg.max_num_seqs, engine_cfg.enable_prefix_caching))
+
+
+def pad_state_copies(pairs: np.ndarray | None, num_slots: int) -> tuple[np.ndarray, ...]:
+    """(src, dst) state-slot copies [N] each, padded with out-of-bounds slots (which copy nothing);
+    () for a stack without state slots."""
+    if not num_slots:
+        return ()
+    padded = np.full((num_slots, 2), num_slots, np.int32)
+    if pairs is not None:
+        padded[:len(pairs)] = pairs
+    return padded[:, 0].copy(), padded[:, 1].copy()
 
 
 def copy_width(engine_cfg: EngineConfig, model_cfg: ModelConfig) -> int:
@@ -149,11 +169,12 @@ def _lower(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, p
     replicated = sharding.replicated(mesh)
     host = lambda tree: abstract_packed(tree, mesh)  # noqa: E731
     num_pages, page_size = engine_cfg.num_kv_pages, engine_cfg.page_size
-    kv = kv_cache.abstract(model_cfg, num_pages, page_size, kv_dtype(engine_cfg, dtype), placement)
+    state_slots = num_state_slots(engine_cfg, model_cfg)
+    kv = kv_cache.abstract(model_cfg, num_pages, page_size, kv_dtype(engine_cfg, dtype), placement, state_slots, dtype)
     prev_ids = jax.ShapeDtypeStruct((rows_width(engine_cfg),), jnp.int32, sharding=replicated)
     if program.kind == "forward":
         packed, spec = host(dummy_arrays(program, table_width(engine_cfg, model_cfg), num_pages * page_size,
-                                         engine_cfg.enable_lora))
+                                         engine_cfg.enable_lora, state_slots))
         return forward_step.lower(abstract_weights(model_cfg, dtype, placement), kv=kv, packed=packed, spec=spec,
                                   cfg=model_cfg, attention_fn=attention_fn, prev_ids=prev_ids,
                                   lora=abstract_lora(model_cfg, engine_cfg, dtype, placement), aux_layers=aux_layers,
@@ -168,4 +189,7 @@ def _lower(program: Program, model_cfg: ModelConfig, engine_cfg: EngineConfig, p
         return sample_step.lower(logits, packed, bitmask, prev_ids, spec=spec, vocab_size=model_cfg.vocab_size,
                                  width=rows_width(engine_cfg))
     index = jax.ShapeDtypeStruct((copy_width(engine_cfg, model_cfg),), jnp.int32, sharding=replicated)
-    return copy_step.lower(kv, index, index)
+    if not state_slots:
+        return copy_step.lower(kv, index, index)
+    states = jax.ShapeDtypeStruct((state_slots,), jnp.int32, sharding=replicated)
+    return copy_step.lower(kv, index, index, states, states)

@@ -9,7 +9,7 @@ same signature on disk, and nothing on the device is touched from this thread.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,7 @@ import numpy as np
 from jaxserve.core.buckets import Program
 from jaxserve.runner.packing import pack
 from jaxserve.runner.program_store import ProgramTable
-from jaxserve.runner.programs import DONATED, FORWARD_STATICS, dummy_arrays, dummy_sampling, forward_step, sample_step
+from jaxserve.runner.programs import DONATED, FORWARD_STATICS, dummy_sampling, forward_step, sample_step
 from jaxserve.runner.sampler import bitmask_words
 
 
@@ -33,10 +33,11 @@ class ShapeCompiler:
     weights: the served weights; forward_kwargs: a real forward call's keyword arguments
     (ModelRunner._forward_args of a warm-up step: the pool, the packed inputs, the statics...);
     logits: a real forward's logits (their sharding is every forward's); sample_statics: vocab_size
-    and width as the sampler takes them."""
+    and width as the sampler takes them; dummy: a bucket's dummy StepArrays (programs.dummy_arrays
+    as the runner fills it)."""
 
     def __init__(self, table: ProgramTable, weights: Any, forward_kwargs: dict[str, Any], logits: jax.Array,
-                 sample_statics: dict[str, Any], max_pages: int, pad_slot: int, lora: bool) -> None:
+                 sample_statics: dict[str, Any], dummy: Callable[[Program], Any]) -> None:
         self._table = table
         kwargs = dict(forward_kwargs)
         self._statics = {k: kwargs.pop(k) for k in FORWARD_STATICS if k != "spec"}
@@ -47,14 +48,14 @@ class ShapeCompiler:
         self._logits = logits.sharding
         self._vocab = logits.shape[1]
         self._sample_statics = sample_statics
-        self._max_pages, self._pad_slot, self._lora = max_pages, pad_slot, lora
+        self._dummy = dummy
 
     def _host_array(self, array: np.ndarray) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=self._host)
 
     def compile(self, program: Program) -> None:
         if program.kind == "forward":
-            packed, spec = pack(dummy_arrays(program, self._max_pages, self._pad_slot, self._lora))
+            packed, spec = pack(self._dummy(program))
             self._table.compile_ahead(("forward", spec), forward_step, {"spec": spec, **self._statics}, DONATED,
                                       self._weights, packed=self._host_array(packed), **self._state)
         elif program.kind == "sample":

@@ -45,6 +45,10 @@ class StepArrays(NamedTuple):
                                  # row r of the previous step (an in-flight token)
     lora_slot: np.ndarray | None = None  # [T] int32 multi-LoRA: the token's adapter slot, -1 = base
                                          # model; None when LoRA is off
+    state_slot: np.ndarray | None = None  # [S] int32 a hybrid stack's recurrent-state slot per sequence
+                                          # row (padding -> the slot count); None without linear layers
+    state_snapshot: np.ndarray | None = None  # [S] int32 a snapshot slot the row's end state is also
+                                              # written to (none -> the slot count)
 
 
 class EagleShift(NamedTuple):
@@ -59,13 +63,17 @@ class StepInputs(NamedTuple):
     num_samples: int           # leading rows of the sampler output that are real
     copies: np.ndarray         # [C, 2] int32 (src, dst) page copies before the step; may be empty
     eagle_shift: EagleShift | None = None  # with an EAGLE-3 head only
+    state_copies: np.ndarray | None = None  # [C, 2] int32 (src, dst) state-slot copies before the step
+                                            # (a hybrid stack's forks); None without linear layers
 
 
 class StepInputBuilder:
     def __init__(self, cfg: EngineConfig, num_pages: int, vocab_size: int, eagle: bool = False,
-                 num_groups: int = 1) -> None:
+                 num_groups: int = 1, num_state_slots: int = 0) -> None:
         """eagle: also build each step's EagleShift (an EAGLE-3 head proposes); num_groups: the
-        model's KV layer groups (core/kv_groups.py), whose tables sit side by side in page_tables."""
+        model's KV layer groups (core/kv_groups.py), whose tables sit side by side in page_tables;
+        num_state_slots: a hybrid stack's recurrent-state slots (0: none)."""
+        self.num_state_slots = num_state_slots
         self.cfg = cfg
         self.eagle = eagle
         self.num_pages = num_pages
@@ -153,10 +161,20 @@ class StepInputBuilder:
                 _shift_chunk(shift, int(cu[nd + i]), c, plan, row)
                 row += c.num_sample_rows
         logits_index, tensors = sampling_step(rows, d, slot_of[:nd], sampling, l_bucket, prev_row)
+        state_slot = snapshot = state_copies = None
+        if self.num_state_slots:
+            of = plan.state_slots
+            state_slot = np.full(s_bucket, self.num_state_slots, np.int32)
+            state_slot[:nc] = [of[s.seq_id] for s in d.seqs] + [of[c.seq_id] for c in chunks]
+            snapshot = np.full(s_bucket, self.num_state_slots, np.int32)
+            for i, c in enumerate(chunks):  # only prefill chunks snapshot: listed, never steady decodes
+                if c.seq_id in plan.state_snapshots:
+                    snapshot[nd + i] = plan.state_snapshots[c.seq_id]
+            state_copies = np.asarray(plan.state_copies, np.int32).reshape(-1, 2)
         arrays = StepArrays(token_ids, positions, token_seq, slots, cu, seq_lens, page_tables,
-                            np.array([nc], np.int32), logits_index, prev_row, lora_slot)
+                            np.array([nc], np.int32), logits_index, prev_row, lora_slot, state_slot, snapshot)
         copies = np.asarray(plan.copies, np.int32).reshape(-1, 2)
-        return StepInputs(arrays, tensors, plan.num_samples, copies, shift)
+        return StepInputs(arrays, tensors, plan.num_samples, copies, shift, state_copies)
 
     def _row_of(self, plan: StepPlan, i: int) -> int:
         """The row of the plan's steady decode i, written whole from its live page tables."""

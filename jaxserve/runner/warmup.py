@@ -9,6 +9,7 @@ the argument shardings steps will give it; its compiles are counted as warm-up's
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Callable
@@ -39,22 +40,24 @@ def warm_up(runner: "ModelRunner", progress: Callable[[int, int, str], None] | N
     now = first_programs(programs) if background else programs
     runner.programs_declared = len(programs)
     cfg = runner.engine_cfg
-    max_pages, pad_slot, lora = table_width(cfg, runner.model_cfg), runner.num_pages * cfg.page_size, cfg.enable_lora
+    dummy = functools.partial(dummy_arrays, max_pages=table_width(cfg, runner.model_cfg),
+                              pad_slot=runner.num_pages * cfg.page_size, lora=cfg.enable_lora,
+                              state_slots=runner.num_state_slots)
     # Steps feed the sample program's padded ids to the next forward: prime that buffer with a real
     # one, so the forwards below compile for the sharding steps will give them.
     first = now[0]
-    logits, runner.kv = runner._forward(dummy_arrays(first, max_pages, pad_slot, lora))
+    logits, runner.kv = runner._forward(dummy(first))
     _, runner._prev_ids = runner._sample(logits, dummy_sampling(first.logits, 0))
     logits_by_rows = {}  # real forward outputs, so the sampler sees the shardings steps will give it
     for done, p in enumerate(now, 1):
         if p.kind == "forward":
-            logits_by_rows[p.logits], runner.kv = runner._forward(dummy_arrays(p, max_pages, pad_slot, lora))
+            logits_by_rows[p.logits], runner.kv = runner._forward(dummy(p))
             if runner.head is not None:
                 runner.head.warm_fill(p, runner._aux, runner._prev_ids)
         elif p.kind == "sample":
             jax.block_until_ready(runner._sample(logits_by_rows[p.rows], dummy_sampling(p.rows, p.history)))
         else:
-            runner._copy_pages(np.zeros((1, 2), np.int32))  # page 0 onto itself: no change
+            runner._copy_pages(np.zeros((1, 2), np.int32))  # page 0 onto itself: no change (a state slot too)
             jax.block_until_ready(runner.kv.k[0])
         if progress:
             progress(done, len(now), p.name)
@@ -77,9 +80,8 @@ def warm_up(runner: "ModelRunner", progress: Callable[[int, int, str], None] | N
     runner.programs.preload()  # the stored programs still unread (a background warm-up read only its own)
     if background:
         shapes = ShapeCompiler(runner.programs, runner.weights,
-                               runner._forward_args(dummy_arrays(first, max_pages, pad_slot, lora)), logits,
-                               dict(vocab_size=runner.model_cfg.vocab_size, width=runner._rows_width),
-                               max_pages, pad_slot, lora)
+                               runner._forward_args(dummy(first)), logits,
+                               dict(vocab_size=runner.model_cfg.vocab_size, width=runner._rows_width), dummy)
         runner.background = BucketCompiler(programs, now, shapes.compile, runner.set_ready_buckets).start()
     return seconds
 

@@ -1,7 +1,8 @@
 """The 2026 families compile for targets this machine does not have, from shapes alone: gpt-oss
 (attention sinks in the Mosaic / Triton kernels, MXFP4 experts dequantized in the step, biased
 clamped-SwiGLU experts), Gemma 2 (soft-capped, alternately windowed attention) and DeepSeek-V3
-(latent attention at its real head shapes) on a v6e-4 and on two H100s with the experts' width and the heads split four / two ways. Small widths, the real
+(latent attention at its real head shapes) and Qwen3-Next (Gated DeltaNet layers at their real head
+widths) on a v6e-4 and on two H100s with the experts' width and the heads split four / two ways. Small widths, the real
 structure: a top-4 of 8 routing at a 256-token step is where tokamax's Mosaic ragged-dot kernel
 is chosen, which XLA cannot partition (the experts run shard-mapped: expert_parallel.make_tensor_parallel)."""
 
@@ -43,6 +44,14 @@ CONFIGS["deepseek_v3"] = {**_BASE, "architectures": ["DeepseekV3ForCausalLM"], "
                           "first_k_dense_replace": 1, "rope_scaling": {
                               "type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
                               "beta_slow": 1, "original_max_position_embeddings": 4096}}
+# Qwen3-Next: Gated DeltaNet layers at their real head shapes (16 key / 32 value heads of 128: here 4 / 8)
+# between gated attention layers of 256-wide heads, a quarter rotated; a gated shared expert
+CONFIGS["qwen3_next"] = {**_BASE, "architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 4, "head_dim": 256,
+                         "num_attention_heads": 8, "num_key_value_heads": 4, "partial_rotary_factor": 0.25,
+                         "full_attention_interval": 2, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+                         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                         "num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 128,
+                         "shared_expert_intermediate_size": 128}
 ENGINE = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, num_kv_pages=64)
 
 
@@ -75,6 +84,14 @@ def test_forward_compiles_for_a_v6e_4_with_its_kernels(family):
 def test_gpt_oss_forward_compiles_for_two_h100s():
     text = _compiled_forward("gpt_oss", "gpu-h100:1x1x2", 2)
     assert "__gpu$xla.gpu.triton" in text or "triton" in text.lower()
+
+
+@pytest.mark.gpu_compile
+@in_own_process
+def test_qwen3_next_forward_compiles_for_two_h100s():
+    """The Gated DeltaNet layers (the jnp reference: XLA's loops) beside the Triton attention kernel."""
+    text = _compiled_forward("qwen3_next", "gpu-h100:1x1x2", 2)
+    assert "ragged_paged_attention_gpu" in text and "while" in text
 
 
 @pytest.mark.gpu_compile
