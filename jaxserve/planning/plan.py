@@ -78,6 +78,7 @@ class DevicePlan:
     usable_bytes: int                   # hbm x memory_utilization
     weight_bytes: int                   # per device
     lora_bytes: int                     # the LoRA slots (--enable-lora), per device
+    state_bytes: int                    # a hybrid stack's recurrent-state slots (and snapshots), per device
     kv_pool_bytes: int                  # per device
     temp_bytes: int                     # compiled temporaries of the largest program, per device
     code_bytes: int                     # compiled program code, largest program
@@ -187,15 +188,16 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
             notes.append(f"a KV page takes {page_bytes / (per_token * resolved.page_size):.2f}x its logical bytes on "
                          f"{chip.device_kind} (tile padding of the [page, kv_heads, head_dim] minor dims)")
         if sized_from_memory:  # the pool serving would take, with pages as the target lays them out
-            room = usable - weight_bytes - lora_bytes - code - fixed
+            room = usable - weight_bytes - lora_bytes - _state_bytes(model, resolved, dtype) - code - fixed
             pages = capacity.stable_page_count(max(0, int(room // (page_bytes + slope))))
             resolved = dataclasses.replace(resolved, num_kv_pages=max(1, min(resolved.num_kv_pages, pages)))
         pool_bytes = int(resolved.num_kv_pages * page_bytes)
         program_temps = {c.name: int(c.temp_at(resolved.num_kv_pages)) for c in cal.costs}
     # the pool that fits: pages x (page + per-page temporaries) + fixed costs <= usable
     temp = int(fixed + slope * resolved.num_kv_pages)
-    total = weight_bytes + lora_bytes + pool_bytes + temp + code
-    max_pages = max(0, int((usable - weight_bytes - lora_bytes - code - fixed) // (page_bytes + slope)))
+    state_bytes = _state_bytes(model, resolved, dtype)
+    total = weight_bytes + lora_bytes + state_bytes + pool_bytes + temp + code
+    max_pages = max(0, int((usable - weight_bytes - lora_bytes - state_bytes - code - fixed) // (page_bytes + slope)))
     max_pool = int(max_pages * page_bytes)
     max_tokens = max_pages * resolved.page_size
     steps = _step_estimates(model, chip, layout, resolved, dtype, weight_bytes, per_token, colls, decode_bucket[0],
@@ -213,6 +215,7 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
         target=target.name, device_kind=chip.device_kind, layout=layout.name, tp=layout.tp,
         replicas=layout.replicas, dtype=dtype.name, settings=settings,
         hbm_bytes=chip.hbm_bytes, usable_bytes=usable, weight_bytes=weight_bytes, lora_bytes=lora_bytes,
+        state_bytes=state_bytes,
         kv_pool_bytes=pool_bytes,
         temp_bytes=temp, code_bytes=code, total_bytes=total, fits=fits, headroom_bytes=usable - total,
         max_kv_pool_bytes=max_pool, max_kv_tokens=int(max_tokens),
@@ -220,6 +223,12 @@ def plan_deployment(model: ModelConfig, target: Target, layout: Layout, engine: 
         programs_compiled=len(to_compile) if compile_programs else 0, compile_seconds=compile_s,
         program_temps=program_temps,
         collectives=colls, steps=steps, notes=notes, advice=advice)
+
+
+def _state_bytes(model: ModelConfig, engine: EngineConfig, dtype: Any) -> int:
+    """A hybrid stack's recurrent-state slots and snapshots on each device (0 without linear layers)."""
+    slots = sum(capacity.state_slot_counts(model, engine.max_num_seqs, engine.enable_prefix_caching))
+    return slots * linear_state_bytes(model, dtype.itemsize)
 
 
 def _held(model: ModelConfig, engine: EngineConfig, num_pages: int, tokens: int) -> float:

@@ -80,6 +80,7 @@ def format_plan(plan: DevicePlan) -> str:
              "memory per device",
              f"  {'weights':<32}{h(plan.weight_bytes):>12}",
              *([f"  {'LoRA slots':<32}{h(plan.lora_bytes):>12}"] if plan.lora_bytes else []),
+             *([f"  {'recurrent-state slots':<32}{h(plan.state_bytes):>12}"] if plan.state_bytes else []),
              f"  {'KV pool':<32}{h(plan.kv_pool_bytes):>12}",
              f"  {'compiled temporaries':<32}{h(plan.temp_bytes):>12}",
              f"  {'program code':<32}{h(plan.code_bytes):>12}",
@@ -122,7 +123,8 @@ def format_sweep(plans: list[DevicePlan], batch: int, context: int) -> str:
 def plot_plan(plan: DevicePlan, path: Path) -> None:
     plt = _pyplot()
     fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4))
-    parts = [("weights", plan.weight_bytes), ("LoRA slots", plan.lora_bytes), ("KV pool", plan.kv_pool_bytes), ("temporaries", plan.temp_bytes),
+    parts = [("weights", plan.weight_bytes), ("LoRA slots", plan.lora_bytes), ("recurrent states", plan.state_bytes),
+             ("KV pool", plan.kv_pool_bytes), ("temporaries", plan.temp_bytes),
              ("code", plan.code_bytes)]
     bottom = 0.0
     for name, value in parts:

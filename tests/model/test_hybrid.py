@@ -307,3 +307,26 @@ def test_a_shared_prefix_is_snapshotted_at_its_end_by_the_second_prompt(tmp_path
         hits.append(events[0].num_cached_prompt_tokens)
         assert [e.token_id for e in events] == run_all(plain, [Request(f"p{i}", p, greedy(6))])[f"p{i}"][0]
     assert hits == [0, 0, 20]
+
+
+def test_the_deployment_plan_counts_the_state_slots():
+    """`jaxserve plan` of Qwen3-Next-80B on 8 H200s: the states (replicated on every device: 256 + 1
+    running slots and 256 snapshots of 73.7 MiB) enter the total and the report, and the largest
+    pool that fits leaves them room."""
+    from pathlib import Path
+
+    from jaxserve.core.capacity import linear_state_bytes
+    from jaxserve.parallel.layouts import make_layout
+    from jaxserve.planning.plan import plan_deployment
+    from jaxserve.planning.report import format_plan
+    from jaxserve.planning.targets import parse_target
+
+    cfg = ModelConfig.from_hf(Path(__file__).parents[2] / "scripts" / "model_configs" / "qwen3-next-80b-a3b.json")
+    engine = EngineConfig(max_num_seqs=256, max_model_len=32768)
+    plan = plan_deployment(cfg, parse_target("gpu-h200:1x1x8"), make_layout("tp", 8, 8), engine, "bfloat16",
+                           compile_programs=False)
+    assert plan.state_bytes == (257 + 256) * linear_state_bytes(cfg, 2)
+    assert plan.total_bytes == (plan.weight_bytes + plan.state_bytes + plan.kv_pool_bytes + plan.temp_bytes
+                                + plan.code_bytes)
+    assert plan.fits and plan.total_bytes <= plan.usable_bytes
+    assert "recurrent-state slots" in format_plan(plan)
