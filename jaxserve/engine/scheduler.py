@@ -138,7 +138,9 @@ class Scheduler(Admission, Inbox, Updates):
         """Sequences waiting for admission, just added ones included."""
         with self._lock:
             incoming = sum(len(u) for u in self._incoming)
-        return incoming + sum(len(u) for u in self._waiting)
+        # any thread (the server's admission check): tuple() copies the deque in one C call, which the
+        # engine thread cannot interleave with; iterating it here raised "deque mutated during iteration"
+        return incoming + sum(len(u) for u in tuple(self._waiting))
 
     def stats(self) -> SchedulerStats:
         lora_running, lora_waiting = self._lora_counts() if self.lora_slots is not None else ({}, {})
