@@ -102,8 +102,8 @@ class PagedMixer:
         self.read_slot = arrays.state_slot
         # each row's end state to its own slot and, at a page boundary, to a prefix-cache snapshot
         # (engine/state_slots.py); out of bounds (padding, no snapshot): dropped
-        self.write_slot = jnp.concatenate([jnp.where(self.lens > 0, arrays.state_slot, num_slots),
-                                           jnp.where(self.lens > 0, arrays.state_snapshot, num_slots)])
+        self.write_slot = jnp.where(self.lens > 0, arrays.state_slot, num_slots)
+        self.snapshot_slot = jnp.where(self.lens > 0, arrays.state_snapshot, num_slots)
 
     def _read(self, slots: jax.Array) -> jax.Array:
         """[N, ...] -> each row's starting state [S, ...] (zeros where fresh or padding)."""
@@ -111,8 +111,8 @@ class PagedMixer:
         return jnp.where(self.fresh.reshape((-1,) + (1,) * (got.ndim - 1)), jnp.zeros_like(got), got)
 
     def _write(self, slots: jax.Array, new: jax.Array) -> jax.Array:
-        new = new.astype(slots.dtype)
-        return slots.at[self.write_slot].set(jnp.concatenate([new, new]), mode="drop")
+        new = new.astype(slots.dtype)  # two scatters of [S] rows: no [2S] copy of the new states
+        return slots.at[self.write_slot].set(new, mode="drop").at[self.snapshot_slot].set(new, mode="drop")
 
     def conv(self, i: int, x: jax.Array, weight: jax.Array) -> jax.Array:
         j = self.layer_state[i]

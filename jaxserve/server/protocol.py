@@ -161,7 +161,8 @@ def bool_field(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _str(body: dict, name: str) -> str | None:
+def str_field(body: dict, name: str) -> str | None:
+    """body[name], None or a string (else a 400 naming it)."""
     value = body.get(name)
     if value is not None and not isinstance(value, str):
         raise bad_request(f"'{name}' must be a string, got {show(value)}", name)
@@ -222,7 +223,7 @@ def refuse(body: dict, name: str, allowed: tuple = (None,), why: str = "is not s
 
 
 def model_field(body: dict, ctx: ModelContext) -> str:
-    model = _str(body, "model")
+    model = str_field(body, "model")
     if model is None:
         return ctx.served_model_names[0]
     if model not in ctx.served_model_names and model not in ctx.lora_names:
@@ -311,8 +312,8 @@ def common_fields(kind: Literal["completion", "chat"], body: dict, ctx: ModelCon
     structured, structured_field = parse_structured(body)
     params = _sampling(body, ctx, max_tokens, logprobs, structured)
     stream, include_usage = _stream_flags(body)
-    _str(body, "user")  # accepted and ignored, but it must be a string
-    salt = _str(body, "cache_salt")
+    str_field(body, "user")  # accepted and ignored, but it must be a string
+    salt = str_field(body, "cache_salt")
     if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
         raise bad_request(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
                           "cache_salt")

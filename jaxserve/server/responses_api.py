@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from jaxserve.server.errors import APIError, bad_request
-from jaxserve.server.protocol import GenerationRequest, ModelContext, int_field, show, warn_ignored
+from jaxserve.server.protocol import GenerationRequest, ModelContext, int_field, show, str_field, warn_ignored
 from jaxserve.server.chat_request import parse_chat
 from jaxserve.server.responses_store import ResponseStore
 from jaxserve.server.tools.validation import validate_tools
@@ -51,7 +51,7 @@ def parse_responses(body: dict[str, Any], ctx: ModelContext, store: ResponseStor
     warn_ignored(body, RESPONSES_FIELDS)
     _refuse_unsupported(body)
     keep, previous_id, prior = _store_fields(body, store)
-    instructions = _string(body, "instructions")
+    instructions = str_field(body, "instructions")
     history = prior + _input_messages(body.get("input"))
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     chat_tools, tools_echo = _tools(body.get("tools"))
@@ -94,7 +94,7 @@ def _store_fields(body: dict, store: ResponseStore | None) -> tuple[bool, str | 
     keep = body.get("store")
     if keep is not None and not isinstance(keep, bool):
         raise bad_request(f"'store' must be a boolean, got {show(keep)}", "store")
-    previous_id = _string(body, "previous_response_id")
+    previous_id = str_field(body, "previous_response_id")
     if store is None:
         # OpenAI's default is store=true; a server without a store reads an omitted one as false.
         if keep:
@@ -303,13 +303,6 @@ def _reasoning(value: Any) -> dict:
     if not isinstance(value, dict):
         raise bad_request(f"'reasoning' must be an object, got {show(value)}", "reasoning")
     return {"effort": value.get("effort"), "summary": value.get("summary")}
-
-
-def _string(body: dict, name: str) -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise bad_request(f"'{name}' must be a string, got {show(value)}", name)
-    return value
 
 
 def _renamed(e: APIError) -> APIError:
